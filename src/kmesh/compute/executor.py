@@ -1,0 +1,155 @@
+"""Layerwise Llama executor: compute any tokens, at any positions, against any given KV.
+
+This is the primitive the rest of KMesh stands on. A forward takes, per sequence, the token ids to
+compute, their positions, and the KV they may attend to (with that KV's positions). Causality is by
+position: a token at position p attends to every given or new key whose position is <= p, wherever
+it sits in the inputs. So computing tokens [a, b) against the cached KV of [0, a) equals computing
+[0, b) at once, and an arbitrary set of positions computed against exact KV of all the others
+equals the full computation at those positions.
+
+Keys are returned (and expected) after RoPE, so stored KV is position-bound.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from kmesh.compute.weights import LlamaWeights
+
+
+class ContextKV(Protocol):
+    """KV a sequence's new tokens may attend to: per layer [m, kv_heads, head_dim] K and V."""
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Positions of the m entries, shape [m]."""
+        ...
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DenseKV:
+    """Context KV held as one K and one V tensor per layer."""
+
+    positions: torch.Tensor
+    k: Sequence[torch.Tensor]
+    v: Sequence[torch.Tensor]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[index], self.v[index]
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInput:
+    token_ids: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    context: ContextKV | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOutput:
+    hidden: torch.Tensor  # [n, hidden], after the final norm: feed to Executor.logits
+    k: list[torch.Tensor]  # per layer [n, kv_heads, head_dim], after RoPE
+    v: list[torch.Tensor]  # per layer [n, kv_heads, head_dim]
+
+    def as_context(self, positions: torch.Tensor) -> DenseKV:
+        """This output's KV as context for later tokens."""
+        return DenseKV(positions, self.k, self.v)
+
+
+class Executor:
+    """Runs a batch of sequences through the model one layer at a time.
+
+    Projections and MLPs run once over all sequences' tokens together; attention runs per sequence
+    with torch's scaled_dot_product_attention and a by-position causal mask.
+    """
+
+    def __init__(self, config: ModelConfig, weights: LlamaWeights) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = weights.embed_tokens.dtype
+        self._inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[SequenceInput]) -> list[SequenceOutput]:
+        cfg = self.config
+        lengths = [len(item.token_ids) for item in batch]
+        token_ids = torch.cat([item.token_ids for item in batch])
+        positions = torch.cat([item.positions for item in batch])
+        cos, sin = rope_cos_sin(positions, self._inv_freq)
+        x = F.embedding(token_ids, self.weights.embed_tokens)
+        new_k: list[list[torch.Tensor]] = [[] for _ in batch]
+        new_v: list[list[torch.Tensor]] = [[] for _ in batch]
+        for index, layer in enumerate(self.weights.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            q = F.linear(h, layer.q_proj).view(-1, cfg.num_heads, cfg.head_dim)
+            k = F.linear(h, layer.k_proj).view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = F.linear(h, layer.v_proj).view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            outputs = []
+            for seq, (q_s, k_s, v_s, pos_s) in enumerate(
+                zip(
+                    q.split(lengths),
+                    k.split(lengths),
+                    v.split(lengths),
+                    positions.split(lengths),
+                    strict=True,
+                )
+            ):
+                new_k[seq].append(k_s)
+                new_v[seq].append(v_s)
+                outputs.append(self._attend(index, q_s, k_s, v_s, pos_s, batch[seq].context))
+            attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
+            x = x + F.linear(attn, layer.o_proj)
+            h = self._rms_norm(x, layer.post_attention_norm)
+            x = x + F.linear(
+                F.silu(F.linear(h, layer.gate_proj)) * F.linear(h, layer.up_proj),
+                layer.down_proj,
+            )
+        hidden = self._rms_norm(x, self.weights.final_norm).split(lengths)
+        return [
+            SequenceOutput(hidden[seq], new_k[seq], new_v[seq]) for seq in range(len(batch))
+        ]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (float32) for final hidden states [n, hidden]."""
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _attend(
+        self,
+        layer_index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        context: ContextKV | None,
+    ) -> torch.Tensor:
+        key_positions = positions
+        if context is not None and len(context.positions) > 0:
+            context_k, context_v = context.layer(layer_index)
+            k = torch.cat((context_k.to(k.dtype), k))
+            v = torch.cat((context_v.to(v.dtype), v))
+            key_positions = torch.cat((context.positions, positions))
+        mask = key_positions[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask[None, None],
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        normed = x32 * torch.rsqrt(variance + self.config.rms_norm_eps)
+        return weight * normed.to(x.dtype)

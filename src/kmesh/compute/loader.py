@@ -1,0 +1,71 @@
+"""Load a Llama-family model folder (config.json + safetensors) into an Executor."""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.embedded import ensure_embedded_model
+from kmesh.compute.executor import Executor
+from kmesh.compute.weights import LlamaWeights
+from kmesh.errors import ModelNotFoundError
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    # SHA-256 over config.json and the weight files: the `model` part of every state key.
+    fingerprint: str
+    executor: Executor
+    # A transformers tokenizer; typed loosely to keep transformers out of import time.
+    tokenizer: Any
+
+
+def fingerprint_files(paths: list[Path]) -> str:
+    digest = hashlib.sha256(b"kmesh-model-fingerprint-v1")
+    for path in paths:
+        digest.update(path.name.encode() + b"\x00")
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """The folder to load: the given one (checked), or the embedded default model."""
+    if model is None:
+        return ensure_embedded_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"model folder {str(path)!r} does not exist; give a folder with config.json and "
+            "*.safetensors, or leave --model out to use the embedded default model"
+        )
+    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+        raise ModelNotFoundError(
+            f"{str(path)!r} is not a model folder: it needs config.json and *.safetensors files"
+        )
+    return path
+
+
+def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a model folder, or the embedded default model when `model` is None."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(model)
+    hf_config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
+    weight_files = sorted(path.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files:
+        state.update(load_file(file))
+    weights = LlamaWeights.from_state_dict(state, config, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    fingerprint = fingerprint_files([path / "config.json", *weight_files])
+    return LoadedModel(path, config, fingerprint, Executor(config, weights), tokenizer)

@@ -1,0 +1,60 @@
+"""Text in, text out: the reference engine with the model's tokenizer and chat template."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kmesh.compute.loader import LoadedModel, load_model
+from kmesh.engine.engine import Engine
+from kmesh.engine.request import Request, RequestOutput, SamplingParams
+from kmesh.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    output: RequestOutput
+
+
+class LLM:
+    """The reference engine over a loaded model (the embedded default model when none is given)."""
+
+    def __init__(self, model: str | Path | LoadedModel | None = None, **engine_options: int):
+        self.model = model if isinstance(model, LoadedModel) else load_model(model)
+        self.tokenizer = self.model.tokenizer
+        self.engine = Engine(self.model.executor, self.model.fingerprint, **engine_options)
+        self._next_id = 0
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        """Token ids of a plain prompt, or of one user message in the model's chat template."""
+        if not prompt.strip():
+            raise InvalidRequestError("the prompt is empty: give some text to complete")
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        tenant_salt: str | None = None,
+    ) -> list[Completion]:
+        """Complete the prompts together, in one batch where they fit."""
+        params = params or SamplingParams()
+        requests = []
+        for prompt in prompts:
+            requests.append(
+                Request(f"req-{self._next_id}", tuple(self.encode(prompt, chat=chat)), params,
+                        tenant_salt)
+            )
+            self._next_id += 1
+        outputs = self.engine.generate(requests)
+        return [Completion(self.decode(out.output_ids), out) for out in outputs]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

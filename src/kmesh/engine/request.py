@@ -1,0 +1,63 @@
+"""What a caller hands the engine, and what it gets back."""
+
+from dataclasses import dataclass, field
+
+from kmesh.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    # Generation ends after any of these tokens (it is kept in the output).
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_tokens must be a positive number of tokens, got {self.max_tokens}"
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    # State is shared only between requests with the same salt (None: the shared namespace).
+    tenant_salt: str | None = None
+
+
+@dataclass(slots=True)
+class RequestStats:
+    prompt_tokens: int = 0
+    # Prompt tokens run through the model (more than prompt - reused after a preemption).
+    computed_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache.
+    reused_tokens: int = 0
+    output_tokens: int = 0
+    # From submission to the first token, and to the end.
+    first_token_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    # The model's natural-log probability of each output token (log-softmax of the raw logits,
+    # before temperature or top-p).
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" (a stop token), or "length" (max_tokens or the model's context)
+    stats: RequestStats

@@ -1,0 +1,46 @@
+"""Run one scheduled batch through the executor over the paged KV cache, and sample."""
+
+import torch
+
+from kmesh.compute.executor import Executor, SequenceInput
+from kmesh.engine.sampler import sample
+from kmesh.engine.sequence import Sequence
+from kmesh.kv.kv_cache import PagedContext, PagedKVCache
+
+
+class ModelRunner:
+    def __init__(self, executor: Executor, cache: PagedKVCache) -> None:
+        self.executor = executor
+        self.cache = cache
+
+    def step(self, batch: list[Sequence]) -> list[tuple[int, float]]:
+        """Compute every sequence's pending tokens, store their KV, and sample one token each.
+
+        Returns (token id, log-probability) per sequence; the caller appends them.
+        """
+        inputs = []
+        slots = []
+        for seq in batch:
+            start, end = seq.num_computed, len(seq.token_ids)
+            context = PagedContext(self.cache, seq.block_table, start) if start else None
+            inputs.append(
+                SequenceInput(
+                    torch.tensor(seq.token_ids[start:end]), torch.arange(start, end), context
+                )
+            )
+            slots.append(self.cache.slots(seq.block_table, start, end))
+        outputs = self.executor.forward(inputs)
+        all_slots = torch.cat(slots)
+        for layer in range(self.executor.config.num_layers):
+            self.cache.write(
+                layer,
+                all_slots,
+                torch.cat([out.k[layer] for out in outputs]),
+                torch.cat([out.v[layer] for out in outputs]),
+            )
+        logits = self.executor.logits(torch.stack([out.hidden[-1] for out in outputs]))
+        for seq in batch:
+            seq.num_computed = len(seq.token_ids)
+        return [
+            sample(logits[i], seq.request.params, seq.generator) for i, seq in enumerate(batch)
+        ]

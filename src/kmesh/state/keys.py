@@ -1,0 +1,73 @@
+"""Typed, tagged state keys hashed with SHA-256.
+
+A key is the digest of an ordered list of tagged parts. Each part is encoded with its tag, a
+presence marker and a length prefix, so two different part lists can never encode to the same
+bytes (no joined strings, no separator that a token or a salt could contain).
+"""
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""SHA-256 digest identifying one full block of exact (position-bound) state."""
+
+_BLOCK_KEY_VERSION = b"kmesh-block-key-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    """Everything besides tokens that the KV of a token depends on, or that must keep it apart."""
+
+    # SHA-256 fingerprint of the model's weights and config (see compute.loader).
+    model: str
+    # Adapter name and path, or None for the base model: adapters change the KV of the same tokens.
+    adapter: str | None = None
+    # Tenant salt, or None for the shared namespace: state never crosses salts.
+    tenant_salt: str | None = None
+
+
+def encode_part(tag: str, value: bytes | None) -> bytes:
+    """Encode one tagged part: tag length, tag, presence byte, then value length and value."""
+    tag_bytes = tag.encode()
+    head = struct.pack("<H", len(tag_bytes)) + tag_bytes
+    if value is None:
+        return head + b"\x00"
+    return head + b"\x01" + struct.pack("<Q", len(value)) + value
+
+
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian unsigned 32-bit integers."""
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _optional_text(value: str | None) -> bytes | None:
+    return None if value is None else value.encode()
+
+
+def block_key(
+    namespace: KeyNamespace, parent: BlockHash | None, token_ids: Sequence[int]
+) -> BlockHash:
+    """Key of one full block: namespace, the key of the block before it (None for the first) and
+    its tokens. Chaining through the parent makes the key stand for the whole prefix."""
+    digest = hashlib.sha256(_BLOCK_KEY_VERSION)
+    digest.update(encode_part("model", namespace.model.encode()))
+    digest.update(encode_part("adapter", _optional_text(namespace.adapter)))
+    digest.update(encode_part("tenant", _optional_text(namespace.tenant_salt)))
+    digest.update(encode_part("parent", parent))
+    digest.update(encode_part("tokens", encode_tokens(token_ids)))
+    return BlockHash(digest.digest())
+
+
+def prefix_block_keys(
+    namespace: KeyNamespace, token_ids: Sequence[int], block_size: int
+) -> list[BlockHash]:
+    """Chained keys of every full block of `token_ids` (a trailing partial block gets none)."""
+    keys: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_key(namespace, parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
