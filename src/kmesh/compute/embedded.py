@@ -67,7 +67,7 @@ def ensure_embedded_model() -> Path:
         # NOTE: the weights are already dequantized, but save_pretrained refuses a model that
         # still names a GGUF quantizer; and the GGUF leaves `architectures` empty, which vLLM
         # needs to pick the model class.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         del model.config.quantization_config
         model.config.architectures = ["LlamaForCausalLM"]
         model.save_pretrained(staging)

@@ -114,9 +114,7 @@ class Executor:
                 layer.down_proj,
             )
         hidden = self._rms_norm(x, self.weights.final_norm).split(lengths)
-        return [
-            SequenceOutput(hidden[seq], new_k[seq], new_v[seq]) for seq in range(len(batch))
-        ]
+        return [SequenceOutput(hidden[seq], new_k[seq], new_v[seq]) for seq in range(len(batch))]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,12 @@ class Completion:
     output: RequestOutput
 
 
+def check_prompt_text(prompt: str) -> None:
+    """Refuse a prompt with no text before any work is done on it."""
+    if not prompt.strip():
+        raise InvalidRequestError("the prompt is empty: give some text to complete")
+
+
 class LLM:
     """The reference engine over a loaded model (the embedded default model when none is given)."""
 
@@ -27,8 +33,7 @@ class LLM:
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         """Token ids of a plain prompt, or of one user message in the model's chat template."""
-        if not prompt.strip():
-            raise InvalidRequestError("the prompt is empty: give some text to complete")
+        check_prompt_text(prompt)
         if chat:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
@@ -49,8 +54,12 @@ class LLM:
         requests = []
         for prompt in prompts:
             requests.append(
-                Request(f"req-{self._next_id}", tuple(self.encode(prompt, chat=chat)), params,
-                        tenant_salt)
+                Request(
+                    f"req-{self._next_id}",
+                    tuple(self.encode(prompt, chat=chat)),
+                    params,
+                    tenant_salt,
+                )
             )
             self._next_id += 1
         outputs = self.engine.generate(requests)

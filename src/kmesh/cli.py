@@ -1,0 +1,112 @@
+"""The `kmesh` command line."""
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from kmesh.errors import KMeshError
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from kmesh.engine.llm import LLM, check_prompt_text
+    from kmesh.engine.request import SamplingParams
+
+    check_prompt_text(args.prompt)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    llm = LLM(args.model)
+    completion = llm.generate([args.prompt], params, chat=args.chat, tenant_salt=args.tenant_salt)[
+        0
+    ]
+    out = completion.output
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": completion.text,
+                    "token_ids": list(out.output_ids),
+                    "prompt_token_ids": list(out.prompt_ids),
+                    "finish_reason": out.finish_reason,
+                    "stats": asdict(out.stats),
+                }
+            )
+        )
+    else:
+        print(completion.text)
+
+
+def _model_info(args: argparse.Namespace) -> None:
+    from kmesh.compute.embedded import cache_dir
+    from kmesh.compute.loader import load_model
+
+    model = load_model(args.model)
+    config = asdict(model.config)
+    info = {
+        "path": str(model.path),
+        "cache_dir": str(cache_dir()),
+        "fingerprint": model.fingerprint,
+        "dtype": str(model.executor.dtype).removeprefix("torch."),
+        "has_chat_template": bool(getattr(model.tokenizer, "chat_template", None)),
+    }
+    if args.json:
+        print(json.dumps({**info, "config": config}))
+        return
+    for key, value in info.items():
+        print(f"{key:18} {value}")
+    print("config")
+    for key, value in config.items():
+        print(f"  {key:20} {value}")
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from kmesh.demo import run_demo
+
+    run_demo(args.model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kmesh", description="KMesh: keyed inference state shared across related requests."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="complete one prompt with the reference engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--tenant-salt", default=None, help="keep this request's state apart")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    gen.set_defaults(func=_generate)
+
+    model = commands.add_parser("model", help="the model")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    info = model_commands.add_parser("info", help="print the model's config and cache location")
+    info.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    info.set_defaults(func=_model_info)
+
+    demo = commands.add_parser("demo", help="generation plus an exact prefix-sharing showcase")
+    demo.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except KMeshError as error:
+        print(f"kmesh: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Shared factories: a tiny random Llama for exactness, the embedded model for real outputs."""
+
+import pytest
+import torch
+
+from kmesh.compute.executor import Executor
+from kmesh.compute.loader import LoadedModel, load_model
+from kmesh.compute.tiny import tiny_executor
+from kmesh.engine.engine import Engine
+
+
+@pytest.fixture(scope="session")
+def tiny() -> tuple[Executor, str]:
+    return tiny_executor(seed=0)
+
+
+@pytest.fixture
+def make_tiny_engine(tiny):
+    def make(**options) -> Engine:
+        executor, fingerprint = tiny
+        return Engine(executor, fingerprint, **options)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def real_model() -> LoadedModel:
+    """The embedded default model in float32 (converted from the GGUF on first use)."""
+    return load_model()
+
+
+def random_tokens(n: int, seed: int, low: int = 3, high: int = 256) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (n,), generator=gen).tolist()

@@ -1,0 +1,59 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kmesh.state.keys import KeyNamespace, block_key, encode_part, prefix_block_keys
+
+NS = KeyNamespace(model="m" * 64)
+
+
+def test_every_namespace_part_changes_the_key():
+    tokens = [5, 6, 7, 8]
+    keys = {
+        block_key(NS, None, tokens),
+        block_key(KeyNamespace(model="n" * 64), None, tokens),
+        block_key(KeyNamespace(model=NS.model, adapter="lora-a"), None, tokens),
+        block_key(KeyNamespace(model=NS.model, tenant_salt="t1"), None, tokens),
+        block_key(NS, block_key(NS, None, [1]), tokens),
+    }
+    assert len(keys) == 5
+
+
+def test_none_and_empty_string_are_different_parts():
+    assert block_key(KeyNamespace("m", tenant_salt=""), None, [1]) != block_key(
+        KeyNamespace("m", tenant_salt=None), None, [1]
+    )
+
+
+def test_parts_cannot_be_shifted_between_fields():
+    # A joined-string key would confuse ("ab", "c") with ("a", "bc"); tagged parts do not.
+    a = KeyNamespace(model="ab", adapter="c")
+    b = KeyNamespace(model="a", adapter="bc")
+    assert block_key(a, None, [1]) != block_key(b, None, [1])
+
+
+def test_prefix_keys_chain_and_skip_the_partial_block():
+    tokens = list(range(10))
+    keys = prefix_block_keys(NS, tokens, block_size=4)
+    assert len(keys) == 2
+    assert keys[0] == block_key(NS, None, tokens[:4])
+    assert keys[1] == block_key(NS, keys[0], tokens[4:8])
+
+
+def test_same_block_after_a_different_prefix_gets_a_different_key():
+    first = prefix_block_keys(NS, [1, 2, 3, 4, 9, 9, 9, 9], block_size=4)
+    second = prefix_block_keys(NS, [5, 6, 7, 8, 9, 9, 9, 9], block_size=4)
+    assert first[1] != second[1]
+
+
+part_lists = st.lists(
+    st.tuples(st.sampled_from(["model", "adapter", "tokens"]), st.none() | st.binary(max_size=8)),
+    max_size=4,
+)
+
+
+@given(part_lists, part_lists)
+def test_part_encoding_is_injective(a, b):
+    def encode(parts):
+        return b"".join(encode_part(tag, value) for tag, value in parts)
+
+    assert (encode(a) == encode(b)) == (a == b)
