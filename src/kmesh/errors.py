@@ -18,3 +18,7 @@ class ModelNotFoundError(KMeshError):
 
 class OutOfBlocksError(KMeshError):
     """The KV block pool is too small for a request even when it runs alone."""
+
+
+class ContractError(KMeshError):
+    """Declared state relationships (segments, families, forks) are inconsistent."""

@@ -84,7 +84,7 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(make_tiny_engine):
     squeezed = small.generate(requests)
     roomy = make_tiny_engine().generate(requests)
     assert [o.output_ids for o in squeezed] == [o.output_ids for o in roomy]
-    assert sum(o.stats.computed_tokens for o in squeezed) > sum(len(p) for p in prompts)
+    assert small.scheduler.num_preemptions > 0
 
 
 def test_evicted_blocks_are_recomputed_correctly(make_tiny_engine):

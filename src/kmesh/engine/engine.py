@@ -1,21 +1,41 @@
-"""The reference engine: requests in, completions out, over one executor and a paged KV cache."""
+"""The reference engine: requests in, completions out, over one executor and a paged KV cache.
+
+Exact sharing happens two ways, both by reference to the same physical blocks: the prefix index
+(full blocks a request happens to share with earlier ones) and forks (a branch declared to start
+from a retained state, which shares every block, copies the partly filled last one on its first
+write, and samples its first token from the parent's held logits).
+"""
 
 import time
+from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass
+
+import torch
 
 from kmesh.compute.executor import Executor
 from kmesh.engine.kv_manager import KVCacheManager, blocks_for
 from kmesh.engine.request import Request, RequestOutput
 from kmesh.engine.runner import ModelRunner
+from kmesh.engine.sampler import sample
 from kmesh.engine.scheduler import Scheduler
 from kmesh.engine.sequence import Sequence
-from kmesh.errors import InvalidRequestError, OutOfBlocksError
+from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.kv_cache import PagedKVCache
+from kmesh.state.families import FamilyRegistry
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    # Token positions run through the model, every kind (prefill, decode, recomputation).
+    computed_tokens: int = 0
+    steps: int = 0
+    # Most blocks held by live or retained sequences at once (cached free blocks not counted).
+    peak_blocks_in_use: int = 0
 
 
 class Engine:
-    """Batches requests step by step; shares exact prefixes through the block index.
+    """Batches requests step by step; shares exact state through the prefix index and forks.
 
     Args:
         executor: the model.
@@ -24,6 +44,7 @@ class Engine:
         kv_cache_tokens: capacity of the KV pool in tokens (rounded up to whole blocks).
         max_batch_tokens: tokens computed per step at most (a longer prompt runs alone).
         max_seqs: sequences running at once at most.
+        prefix_caching: reuse full blocks across requests by key (forks share regardless).
     """
 
     def __init__(
@@ -35,6 +56,7 @@ class Engine:
         kv_cache_tokens: int = 16384,
         max_batch_tokens: int = 4096,
         max_seqs: int = 32,
+        prefix_caching: bool = True,
     ) -> None:
         if block_size < 1 or kv_cache_tokens < block_size:
             raise InvalidRequestError(
@@ -44,70 +66,87 @@ class Engine:
         self.executor = executor
         self.config = executor.config
         num_blocks = blocks_for(kv_cache_tokens, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, model_fingerprint)
+        self.kv = KVCacheManager(num_blocks, block_size, model_fingerprint, prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, executor.dtype)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_seqs)
         self.runner = ModelRunner(executor, self.cache)
+        self.families = FamilyRegistry()
+        self.counters = EngineCounters()
         self._live_ids: set[str] = set()
+        self._retained: dict[str, Sequence] = {}
+        # Forks of declared trunks that are not computed yet, started when the trunk is retained.
+        self._queued_forks: defaultdict[str, list[Request]] = defaultdict(list)
+        # Tenant salt of every retained (forkable) state: forks must carry the same.
+        self._state_salts: dict[str, str | None] = {}
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.cache.bytes_per_block
+
+    def declare_family(self, family_id: str, trunk_id: str, num_branches: int) -> None:
+        """Declare that `num_branches` branches will fork `trunk_id` (computed or not yet): the
+        trunk stays pinned until they have all ended or the family is closed."""
+        self.families.declare(family_id, trunk_id, num_branches)
+
+    def close_family(self, family_id: str) -> None:
+        """No more forks of this family; release its trunk (live branches keep what they share)."""
+        for trunk_id in self.families.close(family_id):
+            self._end(trunk_id)
+
+    def release(self, state_id: str) -> None:
+        """Release a retained state that no family holds."""
+        if state_id not in self._retained:
+            raise ContractError(f"state {state_id!r} is not retained")
+        self._end(state_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request after checking it can be served; raises InvalidRequestError if not."""
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        if n > self.config.max_position:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but the model's context is "
-                f"{self.config.max_position} tokens: shorten the prompt"
-            )
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the model's vocabulary [0, {self.config.vocab_size})"
-            )
-        if request.request_id in self._live_ids:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        longest = min(n + request.params.max_tokens, self.config.max_position)
-        if blocks_for(longest, self.kv.block_size) > self.kv.pool.num_blocks:
-            raise OutOfBlocksError(
-                f"request {request.request_id!r} needs up to {longest} tokens of KV but the "
-                f"cache holds {self.kv.pool.num_blocks * self.kv.block_size}: raise "
-                "kv_cache_tokens or lower max_tokens"
-            )
-        stop_ids = request.params.stop_token_ids or self.config.eos_token_ids
-        request = replace(request, params=replace(request.params, stop_token_ids=stop_ids))
+        """Queue a request after checking it can be served; raises a KMeshError if not."""
+        self._check(request)
         self._live_ids.add(request.request_id)
-        self.scheduler.add(Sequence.from_request(request))
+        if request.retain:
+            self._state_salts[request.request_id] = request.tenant_salt
+        if request.parent_id is None:
+            if request.retain:
+                self.families.add_state(request.request_id)
+            self.scheduler.add(Sequence.from_request(request))
+            return
+        self.families.add_branch(request.parent_id, request.request_id)
+        if request.parent_id in self._retained:
+            self._start_fork(request)
+        else:
+            self._queued_forks[request.parent_id].append(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the requests that finished in it."""
+        """Run one batch; return the requests that ended in it (finished or retained)."""
         batch = self.scheduler.schedule()
-        if not batch:
+        if not batch.seqs:
             raise OutOfBlocksError(
-                "no waiting request fits in the KV cache even with nothing running: "
-                "raise kv_cache_tokens"
+                "no waiting request fits in the KV cache even with nothing running (retained "
+                "trunks may pin it): raise kv_cache_tokens or close families sooner"
             )
-        sampled = self.runner.step(batch)
-        now = time.perf_counter()
-        finished = []
-        for seq, (token, logprob) in zip(batch, sampled, strict=True):
+        self.counters.steps += 1
+        self.counters.computed_tokens += sum(len(s.token_ids) - s.num_computed for s in batch.seqs)
+        self.counters.peak_blocks_in_use = max(
+            self.counters.peak_blocks_in_use, self.kv.num_blocks_in_use
+        )
+        logits = self.runner.step(batch)
+        ended = []
+        for seq, row in zip(batch.seqs, logits, strict=True):
             self.kv.register_full_blocks(seq)
-            seq.token_ids.append(token)
-            seq.output_logprobs.append(logprob)
-            if len(seq.output_ids) == 1:
-                seq.stats.first_token_seconds = now - seq.submitted_at
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                seq.stats.output_tokens = len(seq.output_ids)
-                seq.stats.seconds = now - seq.submitted_at
-                self.scheduler.finish(seq)
-                self._live_ids.discard(seq.request.request_id)
-                finished.append(self._output(seq))
-        return finished
+            if seq.request.params is None or seq.finish_reason is not None:
+                ended.append(self._retain(seq, row))  # a retained request's last token is in
+                continue
+            self._sample_into(seq, row)
+            reason = self._finish_reason(seq)
+            if reason is None:
+                continue
+            seq.finish_reason = reason
+            if not seq.request.retain:
+                ended.append(self._finish(seq))
+        return ended
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """Run the requests to completion together; outputs in the order given."""
@@ -121,9 +160,77 @@ class Engine:
                 done[output.request_id] = output
         return [done[request_id] for request_id in order]
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _check(self, request: Request) -> None:
+        if request.request_id in self._live_ids or request.request_id in self._retained:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.params is None and not request.retain:
+            raise InvalidRequestError(
+                f"request {request.request_id!r} samples nothing (params=None): only a retained "
+                "request (a trunk to fork) may do that"
+            )
+        if request.parent_id is not None:
+            self.families.check_fork(request.parent_id, 1)
+            parent_salt = self._state_salts.get(request.parent_id, request.tenant_salt)
+            if parent_salt != request.tenant_salt:
+                raise ContractError(
+                    f"request {request.request_id!r} forks {request.parent_id!r} of another "
+                    "tenant salt: state never crosses tenants"
+                )
+        elif not request.prompt_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        n = len(request.prompt_ids)
+        if n > self.config.max_position:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but the model's context is "
+                f"{self.config.max_position} tokens: shorten the prompt"
+            )
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the model's vocabulary [0, {self.config.vocab_size})"
+            )
+        max_tokens = 0 if request.params is None else request.params.max_tokens
+        longest = min(n + max_tokens, self.config.max_position)
+        if blocks_for(longest, self.kv.block_size) > self.kv.pool.num_blocks:
+            raise OutOfBlocksError(
+                f"request {request.request_id!r} needs up to {longest} tokens of KV but the "
+                f"cache holds {self.kv.pool.num_blocks * self.kv.block_size}: raise "
+                "kv_cache_tokens or lower max_tokens"
+            )
+
+    def _start_fork(self, request: Request) -> None:
+        parent = self._retained[request.parent_id or ""]
+        seq = Sequence.from_request(request, prefix_ids=parent.token_ids)
+        if len(seq.token_ids) > self.config.max_position:
+            raise InvalidRequestError(
+                f"fork {request.request_id!r} would hold {len(seq.token_ids)} tokens; the "
+                f"model's context is {self.config.max_position}"
+            )
+        self.kv.fork(parent, seq)
+        if not request.prompt_ids and request.params is not None:
+            assert parent.held_logits is not None
+            self._sample_into(seq, parent.held_logits)
+            seq.finish_reason = self._finish_reason(seq)
+            if seq.finish_reason is not None and not request.retain:
+                self._finish(seq)  # NOTE: a one-token branch never computes anything
+                return
+        self.scheduler.add(seq)
+
+    def _sample_into(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.request.params
-        if token in params.stop_token_ids:
+        assert params is not None
+        token, logprob = sample(logits, params, seq.generator)
+        seq.append(token, logprob, logits)
+        if len(seq.output_ids) == 1:
+            seq.stats.first_token_seconds = time.perf_counter() - seq.submitted_at
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        params = seq.request.params
+        assert params is not None
+        stop_ids = (
+            self.config.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        )
+        if seq.token_ids[-1] in stop_ids:
             return "stop"
         if len(seq.output_ids) >= params.max_tokens:
             return "length"
@@ -131,14 +238,49 @@ class Engine:
             return "length"
         return None
 
-    @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
+    def _finish(self, seq: Sequence) -> RequestOutput:
+        output = self._output(seq)
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq)
+        else:
+            self.kv.free(seq)
+        self._end(seq.request.request_id)
+        return output
+
+    def _retain(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        seq.held_logits = logits
+        seq.finish_reason = seq.finish_reason or "retained"
+        self.scheduler.retain(seq)
+        state_id = seq.request.request_id
+        self._retained[state_id] = seq
+        self._live_ids.discard(state_id)
+        output = self._output(seq)
+        release_now = self.families.mark_ready(state_id)
+        for request in self._queued_forks.pop(state_id, []):
+            self._start_fork(request)
+        for trunk_id in release_now:
+            self._end(trunk_id)
+        return output
+
+    def _end(self, state_id: str) -> None:
+        """A state is done: release it, and every trunk whose family it completes."""
+        self._live_ids.discard(state_id)
+        for trunk_id in [state_id, *self.families.end(state_id)]:
+            trunk = self._retained.pop(trunk_id, None)
+            if trunk is not None:
+                self.kv.free(trunk)
+                self._state_salts.pop(trunk_id, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
         assert seq.finish_reason is not None
+        seq.stats.output_tokens = len(seq.output_ids)
+        seq.stats.seconds = time.perf_counter() - seq.submitted_at
         return RequestOutput(
             request_id=seq.request.request_id,
-            prompt_ids=seq.request.prompt_ids,
+            prompt_ids=tuple(seq.token_ids[: seq.num_prompt]),
             output_ids=tuple(seq.output_ids),
             logprobs=tuple(seq.output_logprobs),
             finish_reason=seq.finish_reason,
             stats=seq.stats,
+            logits=tuple(seq.output_logits) if seq.request.keep_logits else None,
         )

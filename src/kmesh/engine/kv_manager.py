@@ -15,9 +15,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, model_fingerprint: str) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, model_fingerprint: str, prefix_caching: bool
+    ) -> None:
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
+        # Off: no block is matched or registered across sequences (forks still share).
+        self.prefix_caching = prefix_caching
         self.pool = BlockPool(num_blocks)
         self.index = PrefixIndex()
 
@@ -41,7 +45,7 @@ class KVCacheManager:
         """
         bs = self.block_size
         num_tokens = len(seq.token_ids)
-        max_hit_blocks = (num_tokens - 1) // bs
+        max_hit_blocks = (num_tokens - 1) // bs if self.prefix_caching else 0
         self._extend_keys(seq, max_hit_blocks)
         hit_ids = self.index.match(
             seq.block_keys[:max_hit_blocks],
@@ -58,17 +62,50 @@ class KVCacheManager:
         seq.num_registered_blocks = len(hit_ids)
         return True
 
-    def ensure_slot(self, seq: Sequence) -> bool:
-        """Make room for the sequence's next token; False when no block is free."""
-        if len(seq.token_ids) <= len(seq.block_table) * self.block_size:
-            return True
-        if self.pool.num_free == 0:
-            return False
-        seq.block_table += self._allocate(1)
-        return True
+    def reserve(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Make room for the sequence's pending tokens: copy-on-write its partly filled last block
+        if another sequence shares it, and allocate blocks up to its length.
+
+        Returns the (source, destination) block copies the runner must do before computing, or
+        None (changing nothing) when too few blocks are free.
+        NOTE: only the block holding position num_computed can be both shared and written: full
+        blocks are never written again, and blocks past it are this sequence's own.
+        """
+        bs = self.block_size
+        write_block = seq.num_computed // bs
+        shared = (
+            seq.num_computed % bs != 0 and self.pool.ref_count(seq.block_table[write_block]) > 1
+        )
+        num_new = blocks_for(len(seq.token_ids), bs) - len(seq.block_table)
+        if self.pool.num_free < num_new + int(shared):
+            return None
+        copies = []
+        if shared:
+            [own] = self._allocate(1)
+            copies.append((seq.block_table[write_block], own))
+            self.pool.release([seq.block_table[write_block]])
+            seq.block_table[write_block] = own
+        if num_new > 0:
+            seq.block_table += self._allocate(num_new)
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's computed state by reference: its blocks, one user more."""
+        for block_id in parent.block_table:
+            self.pool.acquire(block_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed = parent.num_computed
+        child.block_keys = list(parent.block_keys)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix index."""
+        if not self.prefix_caching:
+            return
         num_full = seq.num_computed // self.block_size
         self._extend_keys(seq, num_full)
         bs = self.block_size

@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kmesh.compute.loader import LoadedModel, load_model
 from kmesh.engine.engine import Engine
@@ -25,7 +26,7 @@ def check_prompt_text(prompt: str) -> None:
 class LLM:
     """The reference engine over a loaded model (the embedded default model when none is given)."""
 
-    def __init__(self, model: str | Path | LoadedModel | None = None, **engine_options: int):
+    def __init__(self, model: str | Path | LoadedModel | None = None, **engine_options: Any):
         self.model = model if isinstance(model, LoadedModel) else load_model(model)
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model.executor, self.model.fingerprint, **engine_options)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kmesh.errors import InvalidRequestError
 
 
@@ -13,8 +15,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    # Generation ends after any of these tokens (it is kept in the output).
-    stop_token_ids: tuple[int, ...] = ()
+    # Generation ends after any of these tokens (it is kept in the output). None: the model's
+    # end-of-sequence tokens; (): never stop early.
+    stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -32,18 +35,28 @@ class SamplingParams:
 @dataclass(frozen=True, slots=True)
 class Request:
     request_id: str
+    # The prompt; for a fork, the branch's own tokens after the parent's state (may be empty).
     prompt_ids: tuple[int, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
+    # None: sample nothing, only compute the prompt (valid for retained requests only).
+    params: SamplingParams | None = field(default_factory=SamplingParams)
     # State is shared only between requests with the same salt (None: the shared namespace).
     tenant_salt: str | None = None
+    # Fork of this retained state: start from its tokens, KV and next-token logits.
+    parent_id: str | None = None
+    # Keep the final state (every token computed, next-token logits held) forkable under
+    # request_id, until its family ends or it is released.
+    retain: bool = False
+    # Return the logits each output token was sampled from (for measurements).
+    keep_logits: bool = False
 
 
 @dataclass(slots=True)
 class RequestStats:
+    # For a fork: the parent's tokens plus the branch's own.
     prompt_tokens: int = 0
-    # Prompt tokens run through the model (more than prompt - reused after a preemption).
+    # Prompt tokens run through the model (counted again if preempted and recomputed).
     computed_tokens: int = 0
-    # Prompt tokens whose KV came from the prefix cache.
+    # Prompt tokens whose KV came from the prefix cache or, for a fork, from its parent.
     reused_tokens: int = 0
     output_tokens: int = 0
     # From submission to the first token, and to the end.
@@ -59,5 +72,9 @@ class RequestOutput:
     # The model's natural-log probability of each output token (log-softmax of the raw logits,
     # before temperature or top-p).
     logprobs: tuple[float, ...]
-    finish_reason: str  # "stop" (a stop token), or "length" (max_tokens or the model's context)
+    # "stop" (a stop token), "length" (max_tokens or the model's context), or "retained" (a
+    # retained request that sampled nothing).
+    finish_reason: str
     stats: RequestStats
+    # With keep_logits: the float32 logits [vocab] each output token was sampled from.
+    logits: tuple[torch.Tensor, ...] | None = None

@@ -1,10 +1,9 @@
-"""Run one scheduled batch through the executor over the paged KV cache, and sample."""
+"""Run one scheduled batch through the executor over the paged KV cache."""
 
 import torch
 
 from kmesh.compute.executor import Executor, SequenceInput
-from kmesh.engine.sampler import sample
-from kmesh.engine.sequence import Sequence
+from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 
 
@@ -13,14 +12,16 @@ class ModelRunner:
         self.executor = executor
         self.cache = cache
 
-    def step(self, batch: list[Sequence]) -> list[tuple[int, float]]:
-        """Compute every sequence's pending tokens, store their KV, and sample one token each.
+    def step(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Do the batch's block copies, compute every sequence's pending tokens, store their KV.
 
-        Returns (token id, log-probability) per sequence; the caller appends them.
+        Returns the next-token logits after each sequence's last token, [len(batch.seqs), vocab].
         """
+        for source, destination in batch.copies:
+            self.cache.copy_block(source, destination)
         inputs = []
         slots = []
-        for seq in batch:
+        for seq in batch.seqs:
             start, end = seq.num_computed, len(seq.token_ids)
             context = PagedContext(self.cache, seq.block_table, start) if start else None
             inputs.append(
@@ -38,7 +39,6 @@ class ModelRunner:
                 torch.cat([out.k[layer] for out in outputs]),
                 torch.cat([out.v[layer] for out in outputs]),
             )
-        logits = self.executor.logits(torch.stack([out.hidden[-1] for out in outputs]))
-        for seq in batch:
+        for seq in batch.seqs:
             seq.num_computed = len(seq.token_ids)
-        return [sample(logits[i], seq.request.params, seq.generator) for i, seq in enumerate(batch)]
+        return self.executor.logits(torch.stack([out.hidden[-1] for out in outputs]))

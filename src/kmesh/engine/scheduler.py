@@ -1,15 +1,24 @@
 """Which sequences run in the next step.
 
-Every step runs all running sequences' next token (decode) plus as many waiting prompts as fit
-(prefill), in one batch. When a decode finds no free block, the most recently admitted sequence
-is preempted: its blocks are released and it waits again, to be recomputed (its cached blocks
-usually still hit when it comes back).
+Every step runs all running sequences' pending tokens (decode) plus as many waiting sequences as
+fit (prefill), in one batch. When a running sequence finds no free block, the most recently
+admitted sequence is preempted: its blocks are released and it waits again, to be recomputed (its
+cached blocks usually still hit when it comes back). Retained sequences are not scheduled and
+cannot be preempted: their blocks stay pinned until released.
 """
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from kmesh.engine.kv_manager import KVCacheManager
 from kmesh.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    # Copy-on-write block copies (source, destination) to do before computing.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -19,40 +28,48 @@ class Scheduler:
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence: a new one, or a fork that already holds its parent's blocks."""
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Sequence]:
+    def schedule(self) -> ScheduledBatch:
         """Sequences to run now; each computes its tokens from num_computed to the end."""
-        batch: list[Sequence] = []
+        batch = ScheduledBatch()
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted below, while making room for an earlier sequence
-            while not self.kv.ensure_slot(seq):
+            while (copies := self.kv.reserve(seq)) is None:
                 self._preempt(self.running[-1])
                 if seq.status is not Status.RUNNING:
                     break
             else:
-                batch.append(seq)
-        budget = self.max_batch_tokens - len(batch)
+                batch.seqs.append(seq)
+                batch.copies += copies
+        budget = self.max_batch_tokens - len(batch.seqs)
         while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            needed = len(seq.token_ids)  # upper bound: prefix hits only lower it
-            if batch and needed > budget:
+            needed = len(seq.token_ids) - seq.num_computed  # upper bound before prefix hits
+            if batch.seqs and needed > budget:
                 break
-            if not self.kv.admit(seq):
+            if seq.block_table:  # a fork: it holds its parent's blocks already
+                copies = self.kv.reserve(seq)
+                if copies is None:
+                    break
+                batch.copies += copies
+            elif not self.kv.admit(seq):
                 break
             self.waiting.popleft()
             # After a preemption this counts again what is recomputed or reused.
-            seq.stats.reused_tokens += seq.num_computed
-            seq.stats.computed_tokens += len(seq.token_ids) - seq.num_computed
+            seq.stats.reused_tokens += min(seq.num_computed, seq.num_prompt)
+            seq.stats.computed_tokens += max(0, seq.num_prompt - seq.num_computed)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            batch.append(seq)
+            batch.seqs.append(seq)
             budget -= needed
         return batch
 
@@ -61,7 +78,13 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
 
+    def retain(self, seq: Sequence) -> None:
+        """Stop scheduling a sequence but keep its blocks (pinned) for forks."""
+        seq.status = Status.RETAINED
+        self.running.remove(seq)
+
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         seq.status = Status.WAITING
         self.running.remove(seq)
         self.kv.free(seq)

@@ -13,6 +13,8 @@ from kmesh.state.keys import BlockHash
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Retained: all tokens computed, next-token logits held, blocks pinned; forkable.
+    RETAINED = "retained"
     FINISHED = "finished"
 
 
@@ -20,6 +22,8 @@ class Status(enum.Enum):
 class Sequence:
     request: Request
     token_ids: list[int]
+    # Tokens before the first output: the prompt (for a fork, the parent's tokens + its own).
+    num_prompt: int
     status: Status = Status.WAITING
     # Physical blocks holding this sequence's KV, in token order.
     block_table: list[int] = field(default_factory=list)
@@ -30,24 +34,32 @@ class Sequence:
     # Leading blocks of block_table already offered to the prefix index.
     num_registered_blocks: int = 0
     output_logprobs: list[float] = field(default_factory=list)
+    output_logits: list[torch.Tensor] = field(default_factory=list)
+    # Set when generation ended; a retained sequence still computes its last token after it.
     finish_reason: str | None = None
+    # Next-token logits after the last token, kept while retained (forks sample from them).
+    held_logits: torch.Tensor | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     generator: torch.Generator | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def from_request(cls, request: Request) -> "Sequence":
+    def from_request(cls, request: Request, prefix_ids: list[int] | None = None) -> "Sequence":
+        """A new sequence; `prefix_ids` are a fork's parent tokens before the request's own."""
         generator = None
-        if request.params.seed is not None:
+        if request.params is not None and request.params.seed is not None:
             generator = torch.Generator().manual_seed(request.params.seed)
-        seq = cls(request=request, token_ids=list(request.prompt_ids), generator=generator)
-        seq.stats.prompt_tokens = len(request.prompt_ids)
+        token_ids = (prefix_ids or []) + list(request.prompt_ids)
+        seq = cls(request, token_ids, len(token_ids), generator=generator)
+        seq.stats.prompt_tokens = len(token_ids)
         return seq
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.request.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
+
+    def append(self, token: int, logprob: float, logits: torch.Tensor) -> None:
+        self.token_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if self.request.keep_logits:
+            self.output_logits.append(logits)

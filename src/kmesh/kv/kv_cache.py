@@ -43,6 +43,14 @@ class PagedKVCache:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, slots], self.v[layer, slots]
 
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy one block's K and V, every layer (copy-on-write)."""
+        bs = self.block_size
+        src = slice(source * bs, (source + 1) * bs)
+        dst = slice(destination * bs, (destination + 1) * bs)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
 
 class PagedContext:
     """The first `num_tokens` of a sequence's paged KV, as executor context (a ContextKV)."""

@@ -1,0 +1,155 @@
+"""Families: a trunk state and the branches declared to fork it (trees are families of families).
+
+Pure bookkeeping over state ids. The engine asks it whether a fork is allowed, tells it when states
+become forkable and when branches end, and is told which retained states to release.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+from kmesh.errors import ContractError
+
+
+class StateStatus(enum.Enum):
+    PENDING = "pending"  # declared (as a trunk) or requested, not computed yet
+    READY = "ready"  # computed and retained: forkable
+    CLOSED = "closed"  # released (or ended): cannot be forked
+
+
+@dataclass(slots=True)
+class Family:
+    family_id: str
+    trunk_id: str
+    num_branches: int
+    branch_ids: list[str] = field(default_factory=list)
+    num_ended: int = 0
+    closed: bool = False
+
+
+class FamilyRegistry:
+    """States by id, and which family (if any) each state is a trunk or a branch of.
+
+    Invariants: a state is the trunk of at most one family and a branch of at most one; a family
+    never has more branches than it declared; a closed state is never READY again.
+    """
+
+    def __init__(self) -> None:
+        self._status: dict[str, StateStatus] = {}
+        self._families: dict[str, Family] = {}
+        self._family_of_trunk: dict[str, str] = {}
+        self._family_of_branch: dict[str, str] = {}
+
+    def status(self, state_id: str) -> StateStatus | None:
+        return self._status.get(state_id)
+
+    def family(self, family_id: str) -> Family:
+        if family_id not in self._families:
+            raise ContractError(f"family {family_id!r} was never declared")
+        return self._families[family_id]
+
+    def trunk_family(self, state_id: str) -> Family | None:
+        family_id = self._family_of_trunk.get(state_id)
+        return None if family_id is None else self._families[family_id]
+
+    def declare(self, family_id: str, trunk_id: str, num_branches: int) -> Family:
+        """Declare a family up front; its trunk may not be computed yet."""
+        if family_id in self._families:
+            raise ContractError(f"family {family_id!r} is already declared")
+        if num_branches < 1:
+            raise ContractError(
+                f"family {family_id!r} declares {num_branches} branches: declare at least 1"
+            )
+        if self._status.get(trunk_id) is StateStatus.CLOSED:
+            raise ContractError(f"state {trunk_id!r} is closed: it cannot be a trunk again")
+        if trunk_id in self._family_of_trunk:
+            raise ContractError(
+                f"state {trunk_id!r} is already the trunk of family "
+                f"{self._family_of_trunk[trunk_id]!r}"
+            )
+        self._status.setdefault(trunk_id, StateStatus.PENDING)
+        family = Family(family_id, trunk_id, num_branches)
+        self._families[family_id] = family
+        self._family_of_trunk[trunk_id] = family_id
+        return family
+
+    def add_state(self, state_id: str) -> None:
+        """Register a retained state about to be computed (a declared trunk already is)."""
+        status = self._status.get(state_id)
+        if status is StateStatus.PENDING and state_id in self._family_of_trunk:
+            return
+        if status is not None:
+            raise ContractError(f"state id {state_id!r} is already in use")
+        self._status[state_id] = StateStatus.PENDING
+
+    def mark_ready(self, state_id: str) -> list[str]:
+        """The state is computed and retained. Returns [state_id] when it must be released at
+        once (its family was closed before it was ready; start queued forks first)."""
+        self._status[state_id] = StateStatus.READY
+        family = self.trunk_family(state_id)
+        return [state_id] if family is not None and family.closed else []
+
+    def check_fork(self, parent_id: str, num: int) -> Family | None:
+        """Refuse a fork of `num` branches from an unknown or closed state, or past what its
+        family declared. Returns the parent's family, if it has one."""
+        if num < 1:
+            raise ContractError(f"a fork needs at least 1 branch, got {num}")
+        status = self._status.get(parent_id)
+        if status is None:
+            raise ContractError(f"cannot fork unknown state {parent_id!r}")
+        if status is StateStatus.CLOSED:
+            raise ContractError(f"cannot fork state {parent_id!r}: it is closed")
+        family = self.trunk_family(parent_id)
+        if family is not None:
+            if family.closed:
+                raise ContractError(f"cannot fork family {family.family_id!r}: it is closed")
+            if len(family.branch_ids) + num > family.num_branches:
+                raise ContractError(
+                    f"family {family.family_id!r} declared {family.num_branches} branches and "
+                    f"already has {len(family.branch_ids)}: {num} more is too many"
+                )
+        elif status is StateStatus.PENDING:
+            raise ContractError(
+                f"state {parent_id!r} is not computed yet; declare a family for it to queue "
+                "branches before it is ready"
+            )
+        return family
+
+    def add_branch(self, parent_id: str, branch_id: str) -> None:
+        """Record a branch forked from `parent_id` (after check_fork)."""
+        self.add_state(branch_id)
+        family = self.trunk_family(parent_id)
+        if family is not None:
+            family.branch_ids.append(branch_id)
+            self._family_of_branch[branch_id] = family.family_id
+
+    def end(self, state_id: str) -> list[str]:
+        """A state is done (finished, or released). Returns the retained trunks to release now:
+        those whose declared branches have all ended, cascading up a tree."""
+        to_release: list[str] = []
+        pending = [state_id]
+        while pending:
+            current = pending.pop()
+            if self._status.get(current, StateStatus.CLOSED) is StateStatus.CLOSED:
+                continue  # unknown (a plain request) or already ended
+            self._status[current] = StateStatus.CLOSED
+            family_id = self._family_of_branch.get(current)
+            if family_id is None:
+                continue
+            family = self._families[family_id]
+            family.num_ended += 1
+            if family.num_ended == family.num_branches:
+                family.closed = True
+                if self._status[family.trunk_id] is StateStatus.READY:
+                    to_release.append(family.trunk_id)
+                    pending.append(family.trunk_id)
+        return to_release
+
+    def close(self, family_id: str) -> list[str]:
+        """Close a family early: no more forks. Returns [trunk id] when the trunk is retained and
+        must be released now (live branches keep what they share by reference); a trunk not
+        computed yet is released as soon as it is (see mark_ready)."""
+        family = self.family(family_id)
+        family.closed = True
+        if self._status.get(family.trunk_id) is StateStatus.READY:
+            return [family.trunk_id]
+        return []
