@@ -18,7 +18,7 @@ from kmesh.engine.kv_manager import KVCacheManager, blocks_for
 from kmesh.engine.request import Request, RequestOutput
 from kmesh.engine.runner import ModelRunner
 from kmesh.engine.sampler import sample
-from kmesh.engine.scheduler import Scheduler
+from kmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kmesh.engine.sequence import Sequence
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.kv_cache import PagedKVCache
@@ -72,6 +72,8 @@ class Engine:
         self.runner = ModelRunner(executor, self.cache)
         self.families = FamilyRegistry()
         self.counters = EngineCounters()
+        # Outputs of requests that ended since the last step() returned.
+        self._ended: list[RequestOutput] = []
         self._live_ids: set[str] = set()
         self._retained: dict[str, Sequence] = {}
         # Forks of declared trunks that are not computed yet, started when the trunk is retained.
@@ -95,9 +97,14 @@ class Engine:
 
     def release(self, state_id: str) -> None:
         """Release a retained state that no family holds."""
+        self.retained(state_id)
+        self._end(state_id)
+
+    def retained(self, state_id: str) -> Sequence:
+        """A retained state (read-only use: its tokens, block table, held logits)."""
         if state_id not in self._retained:
             raise ContractError(f"state {state_id!r} is not retained")
-        self._end(state_id)
+        return self._retained[state_id]
 
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it can be served; raises a KMeshError if not."""
@@ -117,36 +124,38 @@ class Engine:
             self._queued_forks[request.parent_id].append(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ended)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the requests that ended in it (finished or retained)."""
+        """Run one batch; return the requests that ended since the last step (finished, or
+        retained for forks)."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        if batch.seqs:
+            self._run(batch)
+        elif not self._ended:
             raise OutOfBlocksError(
                 "no waiting request fits in the KV cache even with nothing running (retained "
                 "trunks may pin it): raise kv_cache_tokens or close families sooner"
             )
+        ended, self._ended = self._ended, []
+        return ended
+
+    def _run(self, batch: ScheduledBatch) -> None:
         self.counters.steps += 1
         self.counters.computed_tokens += sum(len(s.token_ids) - s.num_computed for s in batch.seqs)
         self.counters.peak_blocks_in_use = max(
             self.counters.peak_blocks_in_use, self.kv.num_blocks_in_use
         )
         logits = self.runner.step(batch)
-        ended = []
         for seq, row in zip(batch.seqs, logits, strict=True):
             self.kv.register_full_blocks(seq)
             if seq.request.params is None or seq.finish_reason is not None:
-                ended.append(self._retain(seq, row))  # a retained request's last token is in
+                self._retain(seq, row)  # a retained request's last token is now computed
                 continue
             self._sample_into(seq, row)
-            reason = self._finish_reason(seq)
-            if reason is None:
-                continue
-            seq.finish_reason = reason
-            if not seq.request.retain:
-                ended.append(self._finish(seq))
-        return ended
+            seq.finish_reason = self._finish_reason(seq)
+            if seq.finish_reason is not None and not seq.request.retain:
+                self._finish(seq)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """Run the requests to completion together; outputs in the order given."""
@@ -212,6 +221,7 @@ class Engine:
             self._sample_into(seq, parent.held_logits)
             seq.finish_reason = self._finish_reason(seq)
             if seq.finish_reason is not None and not request.retain:
+                seq.stats.reused_tokens = seq.num_computed
                 self._finish(seq)  # NOTE: a one-token branch never computes anything
                 return
         self.scheduler.add(seq)
@@ -238,29 +248,27 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence) -> RequestOutput:
-        output = self._output(seq)
+    def _finish(self, seq: Sequence) -> None:
+        self._ended.append(self._output(seq))
         if seq in self.scheduler.running:
             self.scheduler.finish(seq)
         else:
             self.kv.free(seq)
         self._end(seq.request.request_id)
-        return output
 
-    def _retain(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+    def _retain(self, seq: Sequence, logits: torch.Tensor) -> None:
         seq.held_logits = logits
         seq.finish_reason = seq.finish_reason or "retained"
         self.scheduler.retain(seq)
         state_id = seq.request.request_id
         self._retained[state_id] = seq
         self._live_ids.discard(state_id)
-        output = self._output(seq)
+        self._ended.append(self._output(seq))
         release_now = self.families.mark_ready(state_id)
         for request in self._queued_forks.pop(state_id, []):
             self._start_fork(request)
         for trunk_id in release_now:
             self._end(trunk_id)
-        return output
 
     def _end(self, state_id: str) -> None:
         """A state is done: release it, and every trunk whose family it completes."""

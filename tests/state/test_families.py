@@ -1,0 +1,109 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kmesh.errors import ContractError
+from kmesh.state.families import FamilyRegistry, StateStatus
+
+
+def ready_family(num_branches=2):
+    reg = FamilyRegistry()
+    reg.declare("f", "trunk", num_branches)
+    reg.mark_ready("trunk")
+    return reg
+
+
+def test_a_family_can_be_declared_before_its_trunk_exists():
+    reg = FamilyRegistry()
+    reg.declare("f", "trunk", 2)
+    assert reg.status("trunk") is StateStatus.PENDING
+    reg.add_state("trunk")  # the trunk request arrives later
+    reg.check_fork("trunk", 2)
+
+
+def test_trunk_is_released_when_its_last_declared_branch_ends():
+    reg = ready_family(2)
+    for branch in ("b0", "b1"):
+        reg.check_fork("trunk", 1)
+        reg.add_branch("trunk", branch)
+    assert reg.end("b0") == []
+    assert reg.end("b1") == ["trunk"]
+    assert reg.status("trunk") is StateStatus.CLOSED
+
+
+def test_release_cascades_up_a_tree():
+    reg = ready_family(1)
+    reg.add_branch("trunk", "node")
+    reg.declare("g", "node", 2)
+    reg.mark_ready("node")
+    reg.add_branch("node", "leaf0")
+    reg.add_branch("node", "leaf1")
+    assert reg.end("leaf0") == []
+    assert sorted(reg.end("leaf1")) == ["node", "trunk"]
+
+
+def test_closing_a_family_releases_a_ready_trunk_now():
+    reg = ready_family(3)
+    reg.add_branch("trunk", "b0")
+    assert reg.close("f") == ["trunk"]
+    with pytest.raises(ContractError, match="closed"):
+        reg.check_fork("trunk", 1)
+
+
+def test_closing_before_the_trunk_is_ready_releases_it_when_ready():
+    reg = FamilyRegistry()
+    reg.declare("f", "trunk", 2)
+    assert reg.close("f") == []
+    assert reg.mark_ready("trunk") == ["trunk"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "parent", "num", "message"),
+    [
+        (lambda reg: None, "nobody", 1, "unknown state 'nobody'"),
+        (lambda reg: reg.end("trunk"), "trunk", 1, "closed"),
+        (lambda reg: None, "trunk", 0, "at least 1 branch"),
+        (lambda reg: None, "trunk", 3, "declared 2 branches"),
+    ],
+)
+def test_bad_forks_are_refused(setup, parent, num, message):
+    reg = ready_family(2)
+    setup(reg)
+    with pytest.raises(ContractError, match=message):
+        reg.check_fork(parent, num)
+
+
+def test_undeclared_pending_state_cannot_be_forked():
+    reg = FamilyRegistry()
+    reg.add_state("s")
+    with pytest.raises(ContractError, match="not computed yet"):
+        reg.check_fork("s", 1)
+
+
+@pytest.mark.parametrize("count", [0, -2])
+def test_a_family_needs_at_least_one_branch(count):
+    with pytest.raises(ContractError, match="at least 1"):
+        FamilyRegistry().declare("f", "t", count)
+
+
+def test_ids_are_not_reused():
+    reg = ready_family(1)
+    with pytest.raises(ContractError, match="already declared"):
+        reg.declare("f", "other", 1)
+    with pytest.raises(ContractError, match="already the trunk"):
+        reg.declare("g", "trunk", 1)
+    reg.add_branch("trunk", "b")
+    with pytest.raises(ContractError, match="already in use"):
+        reg.add_branch("trunk", "b")
+
+
+@given(st.integers(1, 6), st.permutations(range(6)))
+def test_trunk_released_exactly_once_after_all_branches_in_any_order(n, order):
+    reg = ready_family(n)
+    for i in range(n):
+        reg.add_branch("trunk", f"b{i}")
+    released = []
+    for i in [i for i in order if i < n]:
+        assert reg.status("trunk") is StateStatus.READY
+        released += reg.end(f"b{i}")
+    assert released == ["trunk"]
