@@ -5,8 +5,9 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
-from kmesh.errors import KMeshError
+from kmesh.errors import InvalidRequestError, KMeshError
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -67,6 +68,46 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(args.model)
 
 
+def _bench_fork(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.fork import ForkBenchConfig, print_report, run_fork_bench
+    from kmesh.compute.loader import load_model
+
+    for name in ("branches", "trunk_tokens", "branch_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.mode == "cot" and args.reasoning_tokens < 1:
+        raise InvalidRequestError("--reasoning-tokens must be at least 1 for --mode cot")
+    console = Console(stderr=True)
+    model = load_model(args.model)
+    cfg = ForkBenchConfig(
+        mode=args.mode,
+        branches=args.branches,
+        trunk_tokens=args.trunk_tokens,
+        branch_tokens=args.branch_tokens,
+        reasoning_tokens=args.reasoning_tokens,
+        seed=args.seed,
+    )
+    context = cfg.trunk_tokens + cfg.reasoning_tokens + 2 * cfg.branch_tokens
+    if context > model.config.max_position:
+        raise InvalidRequestError(
+            f"trunk + reasoning + branch tokens ({context}) exceed the model's context "
+            f"({model.config.max_position})"
+        )
+    report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=console.log)
+    print_report(report, Console())
+    write_json(args.json, report)
+
+
+def write_json(path: str, report: dict[str, object]) -> None:
+    """Write a benchmark report, creating its folder."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {target}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kmesh", description="KMesh: keyed inference state shared across related requests."
@@ -95,6 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="generation plus an exact prefix-sharing showcase")
     demo.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     demo.set_defaults(func=_demo)
+
+    bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
+    benches = bench.add_subparsers(dest="bench_command", required=True)
+    fork = benches.add_parser(
+        "fork",
+        help="best-of-N / chain-of-thought / tree search: independent vs prefix cache vs fork",
+    )
+    fork.add_argument("--mode", choices=["best-of-n", "cot", "tree"], required=True)
+    fork.add_argument("--branches", type=int, default=8, help="branches (tree: width per level)")
+    fork.add_argument("--trunk-tokens", type=int, default=1024, help="prompt length")
+    fork.add_argument("--branch-tokens", type=int, default=32, help="tokens each branch generates")
+    fork.add_argument(
+        "--reasoning-tokens",
+        type=int,
+        default=64,
+        help="cot: trunk tokens generated before forking",
+    )
+    fork.add_argument("--seed", type=int, default=0)
+    fork.add_argument("--json", required=True, help="where to write the report")
+    fork.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    fork.set_defaults(func=_bench_fork)
     return parser
 
 
