@@ -216,3 +216,17 @@ def test_more_branches_than_declared_are_refused(make_tiny_engine):
     engine.add_request(branch(0))
     with pytest.raises(ContractError, match="declared 1 branches"):
         engine.add_request(branch(1))
+
+
+def test_a_declared_trunk_must_be_retained(make_tiny_engine):
+    engine = make_tiny_engine()
+    engine.declare_family("f", "t", 1)
+    with pytest.raises(ContractError, match="retain=True"):
+        engine.add_request(Request("t", PROMPT, SAMPLE))
+
+
+def test_branches_whose_trunk_never_comes_are_reported(make_tiny_engine):
+    engine = make_tiny_engine()
+    engine.declare_family("f", "t", 1)
+    with pytest.raises(ContractError, match="never sent"):
+        engine.generate([branch(0)])

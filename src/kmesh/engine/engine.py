@@ -167,11 +167,22 @@ class Engine:
         while self.has_unfinished():
             for output in self.step():
                 done[output.request_id] = output
+        waiting = [request_id for request_id in order if request_id not in done]
+        if waiting:
+            raise ContractError(
+                f"requests {waiting} fork trunks that were never sent "
+                f"({sorted(self._queued_forks)}): send each trunk (retain=True) too"
+            )
         return [done[request_id] for request_id in order]
 
     def _check(self, request: Request) -> None:
         if request.request_id in self._live_ids or request.request_id in self._retained:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if self.families.trunk_family(request.request_id) is not None and not request.retain:
+            raise ContractError(
+                f"request {request.request_id!r} is a declared family trunk: send it with "
+                "retain=True so its branches can fork it"
+            )
         if request.params is None and not request.retain:
             raise InvalidRequestError(
                 f"request {request.request_id!r} samples nothing (params=None): only a retained "
