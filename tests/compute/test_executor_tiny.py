@@ -109,3 +109,27 @@ def test_a_wrong_context_position_changes_the_result(tiny):
         [SequenceInput(torch.tensor(tokens[16:]), torch.arange(16, 32), shifted)]
     )[0]
     assert (executor.logits(out.hidden) - reference_logits[16:]).abs().max() > 100 * ATOL
+
+
+def test_sequences_sharing_a_prefix_attend_to_it_once_with_the_same_result(tiny):
+    executor, _ = tiny
+    trunk = random_tokens(40, seed=11)
+    tails = [random_tokens(n, seed=20 + n) for n in (1, 6, 13)]
+    prefix = full(executor, trunk)[0]
+    shared = DenseKV(torch.arange(32), [k[:32] for k in prefix.k], [v[:32] for v in prefix.v])
+    own = DenseKV(torch.arange(32, 40), [k[32:] for k in prefix.k], [v[32:] for v in prefix.v])
+    batch = [
+        SequenceInput(torch.tensor(tail), torch.arange(40, 40 + len(tail)), own, shared)
+        for tail in tails
+    ]
+    for tail, out in zip(tails, executor.forward(batch), strict=True):
+        _, reference = full(executor, trunk + tail)
+        torch.testing.assert_close(executor.logits(out.hidden), reference[40:], atol=ATOL, rtol=0)
+
+
+def test_a_shared_context_after_the_new_tokens_is_refused(tiny):
+    executor, _ = tiny
+    prefix = full(executor, random_tokens(8, seed=1))[0]
+    shared = prefix.as_context(torch.arange(8))
+    with pytest.raises(ValueError, match="precede"):
+        executor.forward([SequenceInput(torch.tensor([5]), torch.tensor([3]), None, shared)])

@@ -8,6 +8,10 @@ it sits in the inputs. So computing tokens [a, b) against the cached KV of [0, a
 equals the full computation at those positions.
 
 Keys are returned (and expected) after RoPE, so stored KV is position-bound.
+
+Sequences of a batch that hold the same `shared` context object (a prefix they share physically,
+e.g. a fork's trunk) attend to it once, together, and to their own `context` and new tokens
+separately; the two parts are merged exactly by log-sum-exp (see compute/attention.py).
 """
 
 from collections.abc import Sequence
@@ -17,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kmesh.compute.attention import attend, attend_with_lse, merge
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from kmesh.compute.weights import LlamaWeights
@@ -50,6 +55,9 @@ class SequenceInput:
     token_ids: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64
     context: ContextKV | None = None
+    # Context shared with other inputs of the batch (the same object), attended before
+    # `context`. Its positions must all be below the new tokens' positions.
+    shared: ContextKV | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +75,8 @@ class Executor:
     """Runs a batch of sequences through the model one layer at a time.
 
     Projections and MLPs run once over all sequences' tokens together; attention runs per sequence
-    with torch's scaled_dot_product_attention and a by-position causal mask.
+    with torch's scaled_dot_product_attention and a by-position causal mask, except for shared
+    contexts, attended once per group.
     """
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights) -> None:
@@ -84,6 +93,7 @@ class Executor:
         positions = torch.cat([item.positions for item in batch])
         cos, sin = rope_cos_sin(positions, self._inv_freq)
         x = F.embedding(token_ids, self.weights.embed_tokens)
+        groups = _shared_groups(batch)
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
         new_v: list[list[torch.Tensor]] = [[] for _ in batch]
         for index, layer in enumerate(self.weights.layers):
@@ -93,10 +103,12 @@ class Executor:
             v = F.linear(h, layer.v_proj).view(-1, cfg.num_kv_heads, cfg.head_dim)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
+            q_seqs = q.split(lengths)
+            shared_parts = self._attend_shared(index, q_seqs, groups)
             outputs = []
             for seq, (q_s, k_s, v_s, pos_s) in enumerate(
                 zip(
-                    q.split(lengths),
+                    q_seqs,
                     k.split(lengths),
                     v.split(lengths),
                     positions.split(lengths),
@@ -105,7 +117,11 @@ class Executor:
             ):
                 new_k[seq].append(k_s)
                 new_v[seq].append(v_s)
-                outputs.append(self._attend(index, q_s, k_s, v_s, pos_s, batch[seq].context))
+                outputs.append(
+                    self._attend(
+                        index, q_s, k_s, v_s, pos_s, batch[seq].context, shared_parts.get(seq)
+                    )
+                )
             attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
             x = x + F.linear(attn, layer.o_proj)
             h = self._rms_norm(x, layer.post_attention_norm)
@@ -121,6 +137,23 @@ class Executor:
         """Next-token logits (float32) for final hidden states [n, hidden]."""
         return F.linear(hidden, self.weights.lm_head).float()
 
+    def _attend_shared(
+        self,
+        layer_index: int,
+        q_seqs: Sequence[torch.Tensor],
+        groups: list[tuple[ContextKV, list[int]]],
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each group's queries against their shared context at once: (out, lse) per member."""
+        parts = {}
+        for shared, members in groups:
+            k, v = shared.layer(layer_index)
+            q = torch.cat([q_seqs[m] for m in members])
+            out, lse = attend_with_lse(q, k.to(q.dtype), v.to(q.dtype), None)
+            sizes = [len(q_seqs[m]) for m in members]
+            for m, out_m, lse_m in zip(members, out.split(sizes), lse.split(sizes), strict=True):
+                parts[m] = (out_m, lse_m)
+        return parts
+
     def _attend(
         self,
         layer_index: int,
@@ -129,6 +162,7 @@ class Executor:
         v: torch.Tensor,
         positions: torch.Tensor,
         context: ContextKV | None,
+        shared_part: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         key_positions = positions
         if context is not None and len(context.positions) > 0:
@@ -137,17 +171,25 @@ class Executor:
             v = torch.cat((context_v.to(v.dtype), v))
             key_positions = torch.cat((context.positions, positions))
         mask = key_positions[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask[None, None],
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
+        if shared_part is None:
+            return attend(q, k, v, mask)
+        out, lse = attend_with_lse(q, k, v, mask)
+        return merge(*shared_part, out, lse)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
         normed = x32 * torch.rsqrt(variance + self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
+
+
+def _shared_groups(batch: Sequence[SequenceInput]) -> list[tuple[ContextKV, list[int]]]:
+    """Inputs grouped by the shared context object they hold (checked to precede them)."""
+    groups: dict[int, tuple[ContextKV, list[int]]] = {}
+    for index, item in enumerate(batch):
+        if item.shared is None:
+            continue
+        if len(item.shared.positions) and item.shared.positions.max() >= item.positions.min():
+            raise ValueError("a shared context must precede every new token of its inputs")
+        groups.setdefault(id(item.shared), (item.shared, []))[1].append(index)
+    return list(groups.values())

@@ -4,6 +4,7 @@ import torch
 
 from kmesh.compute.executor import Executor, SequenceInput
 from kmesh.engine.scheduler import ScheduledBatch
+from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 
 
@@ -19,14 +20,21 @@ class ModelRunner:
         """
         for source, destination in batch.copies:
             self.cache.copy_block(source, destination)
+        shared = self._shared_prefixes(batch.seqs)
         inputs = []
         slots = []
         for seq in batch.seqs:
             start, end = seq.num_computed, len(seq.token_ids)
-            context = PagedContext(self.cache, seq.block_table, start) if start else None
+            prefix, num_shared = shared.get(id(seq), (None, 0))
+            context = None
+            if start > num_shared:
+                context = PagedContext(self.cache, seq.block_table, num_shared, start)
             inputs.append(
                 SequenceInput(
-                    torch.tensor(seq.token_ids[start:end]), torch.arange(start, end), context
+                    torch.tensor(seq.token_ids[start:end]),
+                    torch.arange(start, end),
+                    context,
+                    prefix,
                 )
             )
             slots.append(self.cache.slots(seq.block_table, start, end))
@@ -42,3 +50,25 @@ class ModelRunner:
         for seq in batch.seqs:
             seq.num_computed = len(seq.token_ids)
         return self.executor.logits(torch.stack([out.hidden[-1] for out in outputs]))
+
+    def _shared_prefixes(self, seqs: list[Sequence]) -> dict[int, tuple[PagedContext, int]]:
+        """For sequences that hold the same physical leading blocks (forks of one trunk, prefix
+        cache hits on one prefix): one context over those blocks, and its length in tokens."""
+        bs = self.cache.block_size
+        by_first_block: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            if seq.num_computed >= bs:
+                by_first_block.setdefault(seq.block_table[0], []).append(seq)
+        shared = {}
+        for group in by_first_block.values():
+            if len(group) < 2:
+                continue
+            num_blocks = min(seq.num_computed // bs for seq in group)
+            for i in range(num_blocks):
+                if any(seq.block_table[i] != group[0].block_table[i] for seq in group):
+                    num_blocks = i
+                    break
+            prefix = PagedContext(self.cache, group[0].block_table, 0, num_blocks * bs)
+            for seq in group:
+                shared[id(seq)] = (prefix, num_blocks * bs)
+        return shared

@@ -53,12 +53,12 @@ class PagedKVCache:
 
 
 class PagedContext:
-    """The first `num_tokens` of a sequence's paged KV, as executor context (a ContextKV)."""
+    """Positions [start, end) of a sequence's paged KV, as executor context (a ContextKV)."""
 
-    def __init__(self, cache: PagedKVCache, block_table: list[int], num_tokens: int) -> None:
+    def __init__(self, cache: PagedKVCache, block_table: list[int], start: int, end: int) -> None:
         self._cache = cache
-        self._slots = cache.slots(block_table, 0, num_tokens)
-        self.positions = torch.arange(num_tokens)
+        self._slots = cache.slots(block_table, start, end)
+        self.positions = torch.arange(start, end)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cache.read(index, self._slots)
