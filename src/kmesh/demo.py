@@ -12,6 +12,7 @@ from kmesh.compute.loader import load_model
 from kmesh.engine.engine import Engine
 from kmesh.engine.llm import LLM
 from kmesh.engine.request import Request, SamplingParams
+from kmesh.workloads.branching import best_of_n
 
 QUESTIONS = (
     "Summarize the text above in one sentence.",
@@ -72,4 +73,17 @@ def run_demo(model: str | None = None) -> None:
     console.print(
         f"prefix sharing computed {computed} of {total} prompt tokens in {shared_seconds:.1f} s; "
         f"cold engines computed {total} in {cold_seconds:.1f} s"
+    )
+
+    console.rule("Best-of-4 on the same document: one trunk, four copy-on-write forks")
+    engine = Engine(loaded.executor, loaded.fingerprint)
+    sample = SamplingParams(max_tokens=24, temperature=0.8)
+    result = best_of_n(engine, "demo", prompts[1], [1, 2, 3, 4], sample)
+    for branch in result.branches:
+        console.print("- " + llm.decode(branch.output_ids)[:70].replace("\n", " "))
+    own = sum(len(b.output_ids) - 1 for b in result.branches)
+    console.print(
+        f"the {len(prompts[1])}-token prompt was computed once: {engine.counters.computed_tokens} "
+        f"positions in all, {own} of them the branches' own tokens; four independent requests "
+        f"would compute {4 * len(prompts[1]) + own}"
     )
