@@ -1,5 +1,8 @@
 """Shared factories: a tiny random Llama for exactness, the embedded model for real outputs."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -32,3 +35,10 @@ def real_model() -> LoadedModel:
 def random_tokens(n: int, seed: int, low: int = 3, high: int = 256) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (n,), generator=gen).tolist()
+
+
+def run_kmesh(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """The `kmesh` command in a new process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kmesh.cli", *args], capture_output=True, text=True, timeout=timeout
+    )

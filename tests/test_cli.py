@@ -1,16 +1,10 @@
 """The `kmesh` command as a user runs it: a real process, real output, clear errors."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-
-def kmesh(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kmesh.cli", *args], capture_output=True, text=True, timeout=600
-    )
+from tests.conftest import run_kmesh as kmesh
 
 
 @pytest.mark.model

@@ -1,12 +1,11 @@
 """`kmesh bench fork`: the accounting and the exactness it reports."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from kmesh.bench.fork import ForkBenchConfig, run_fork_bench
+from tests.conftest import run_kmesh
 
 ATOL = 1e-4  # the tiny model's executor tolerance (tests/compute/test_executor_tiny.py)
 
@@ -54,27 +53,19 @@ def test_fork_kv_peak_is_within_trunk_plus_own_tokens_plus_a_block_per_branch(re
 @pytest.mark.model
 def test_cli_writes_the_report_and_prints_a_table(tmp_path):
     path = tmp_path / "out" / "fork.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kmesh.cli",
-            "bench",
-            "fork",
-            "--mode",
-            "best-of-n",
-            "--branches",
-            "3",
-            "--trunk-tokens",
-            "120",
-            "--branch-tokens",
-            "5",
-            "--json",
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_kmesh(
+        "bench",
+        "fork",
+        "--mode",
+        "best-of-n",
+        "--branches",
+        "3",
+        "--trunk-tokens",
+        "120",
+        "--branch-tokens",
+        "5",
+        "--json",
+        str(path),
     )
     assert result.returncode == 0, result.stderr
     assert "prefix_cache" in result.stdout and "fork" in result.stdout
@@ -90,23 +81,15 @@ def test_cli_writes_the_report_and_prints_a_table(tmp_path):
 
 
 def test_cli_refuses_bad_sizes():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kmesh.cli",
-            "bench",
-            "fork",
-            "--mode",
-            "tree",
-            "--branches",
-            "0",
-            "--json",
-            "x.json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_kmesh(
+        "bench",
+        "fork",
+        "--mode",
+        "tree",
+        "--branches",
+        "0",
+        "--json",
+        "x.json",
     )
     assert result.returncode == 2
     assert "--branches must be at least 1" in result.stderr

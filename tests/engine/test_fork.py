@@ -230,3 +230,21 @@ def test_branches_whose_trunk_never_comes_are_reported(make_tiny_engine):
     engine.declare_family("f", "t", 1)
     with pytest.raises(ContractError, match="never sent"):
         engine.generate([branch(0)])
+
+
+def test_a_trunk_of_another_tenant_than_its_early_branches_is_refused(make_tiny_engine):
+    engine = make_tiny_engine()
+    engine.declare_family("f", "t", 1)
+    engine.add_request(branch(0, tenant_salt="alice"))
+    with pytest.raises(ContractError, match="another tenant salt"):
+        engine.add_request(trunk_request(tenant_salt="bob"))
+
+
+def test_a_fork_past_the_context_ends_with_length_and_nothing_generated(make_tiny_engine):
+    engine = make_tiny_engine()
+    engine.declare_family("f", "t", 1)
+    engine.generate([trunk_request()])
+    too_long = Request("b", tuple(random_tokens(4096 - len(PROMPT), seed=2)), SAMPLE, parent_id="t")
+    [out] = engine.generate([too_long])
+    assert out.finish_reason == "length" and out.output_ids == ()
+    assert engine.kv.num_blocks_in_use == 0

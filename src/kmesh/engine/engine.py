@@ -183,6 +183,12 @@ class Engine:
                 f"request {request.request_id!r} is a declared family trunk: send it with "
                 "retain=True so its branches can fork it"
             )
+        early_forks = self._queued_forks.get(request.request_id, [])
+        if any(fork.tenant_salt != request.tenant_salt for fork in early_forks):
+            raise ContractError(
+                f"trunk {request.request_id!r} has another tenant salt than branches already "
+                "sent for it: state never crosses tenants"
+            )
         if request.params is None and not request.retain:
             raise InvalidRequestError(
                 f"request {request.request_id!r} samples nothing (params=None): only a retained "
@@ -221,11 +227,11 @@ class Engine:
     def _start_fork(self, request: Request) -> None:
         parent = self._retained[request.parent_id or ""]
         seq = Sequence.from_request(request, prefix_ids=parent.token_ids)
-        if len(seq.token_ids) > self.config.max_position:
-            raise InvalidRequestError(
-                f"fork {request.request_id!r} would hold {len(seq.token_ids)} tokens; the "
-                f"model's context is {self.config.max_position}"
-            )
+        if len(seq.token_ids) >= self.config.max_position:
+            # The parent's tokens and the fork's own fill the context: nothing to generate.
+            seq.finish_reason = "length"
+            self._finish(seq)
+            return
         self.kv.fork(parent, seq)
         if not request.prompt_ids and request.params is not None:
             assert parent.held_logits is not None

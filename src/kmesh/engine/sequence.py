@@ -18,7 +18,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: a sequence is one live object
 class Sequence:
     request: Request
     token_ids: list[int]
