@@ -100,6 +100,27 @@ def _bench_fork(args: argparse.Namespace) -> None:
     write_json(args.json, report)
 
 
+def _workload_allgather(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.compute.loader import load_model
+    from kmesh.engine.engine import Engine
+    from kmesh.workloads.allgather import AllGatherConfig, generate_trace, save_trace
+
+    cfg = AllGatherConfig(args.agents, args.rounds, args.order, args.seed, args.output_tokens)
+    console = Console(stderr=True)
+    model = load_model(args.model)
+    engine = Engine(model.executor, model.fingerprint)
+    turns = generate_trace(cfg, engine, model.tokenizer, progress=console.log)
+    save_trace(Path(args.out), cfg, model.fingerprint, turns)
+    last = [t for t in turns if t.round == cfg.rounds - 1]
+    longest = max(len(t.prompt.token_ids) for t in last)
+    print(
+        f"wrote {args.out}: {len(turns)} agent turns; round {cfg.rounds} prompts up to "
+        f"{longest} tokens in {max(len(t.prompt.segments) for t in last)} segments"
+    )
+
+
 def write_json(path: str, report: dict[str, object]) -> None:
     """Write a benchmark report, creating its folder."""
     target = Path(path)
@@ -136,6 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="generation plus an exact prefix-sharing showcase")
     demo.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     demo.set_defaults(func=_demo)
+
+    workload = commands.add_parser("workload", help="generate controlled workloads (traces)")
+    workloads = workload.add_subparsers(dest="workload_command", required=True)
+    allgather = workloads.add_parser(
+        "allgather", help="an All-Gather council: N agents, R rounds, every agent sees all outputs"
+    )
+    allgather.add_argument("--agents", type=int, default=8)
+    allgather.add_argument("--rounds", type=int, default=3)
+    allgather.add_argument("--order", choices=["same", "rotate", "shuffle"], default="shuffle")
+    allgather.add_argument("--seed", type=int, default=0)
+    allgather.add_argument("--output-tokens", type=int, default=48, help="tokens per agent output")
+    allgather.add_argument("--out", required=True, help="trace.jsonl to write")
+    allgather.add_argument(
+        "--model", default=None, help="model folder (default: the embedded model)"
+    )
+    allgather.set_defaults(func=_workload_allgather)
 
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench_command", required=True)

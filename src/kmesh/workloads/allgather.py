@@ -1,0 +1,239 @@
+"""A controlled All-Gather workload: N agents, R rounds, every agent sees every output.
+
+Round r's prompt for agent a, as explicit segments (chat-formatted, one segment per message):
+    system (shared, the same for all agents)
+    persona + private notes of agent a (private; lengths differ between agents)
+    for each earlier round: the N outputs of that round (shared), in agent a's order
+    the round's instruction for agent a (instruction) + the generation prompt
+An output segment is a fixed header ("Member k said:") plus the exact token ids its author
+generated, so the KV of those tokens already exists in the author's context. Each agent's prompt
+minus its instruction is an exact prefix of its next prompt (the temporal reuse prefix caching
+gets); the outputs at per-agent offsets and orders are the sibling redundancy.
+
+Outputs are generated with the reference engine on the real model, greedy by default, so a trace
+is deterministic in (model, config) and benchmarks replay exactly the same prompts.
+"""
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kmesh.engine.engine import Engine
+from kmesh.engine.request import Request, SamplingParams
+from kmesh.errors import InvalidRequestError
+from kmesh.state.segments import Role, Segment, SegmentedPrompt
+
+ORDERS = ("same", "rotate", "shuffle")
+
+SYSTEM = (
+    "You are one member of a town council. The council must decide how to spend a one-time "
+    "grant of 2 million dollars. Each round, every member reads what all members said and then "
+    "gives a short proposal or vote."
+)
+PERSONAS = (
+    ("a retired school teacher", "You care about libraries and after-school programs."),
+    ("a small business owner", "You want the main street repaved and parking fixed."),
+    ("a nurse at the clinic", "The clinic is understaffed and its equipment is old."),
+    ("a young parent", "The playground is unsafe and daycare is too expensive."),
+    ("a farmer", "Flooding ruined two harvests; drainage is your priority."),
+    ("a firefighter", "The fire station needs a new truck and radios."),
+    ("a software developer", "You want public wifi and a coworking space."),
+    ("a pastor", "Homeless residents need a shelter before winter."),
+    ("an environmental scientist", "The river is polluted and the wetlands are shrinking."),
+    ("a bus driver", "The bus routes skip the poorer neighbourhoods."),
+    ("a high school student", "Young people have nowhere to go in the evenings."),
+    ("a retired engineer", "The old bridge failed its last inspection."),
+    ("a librarian", "The library roof leaks and the books are getting damaged."),
+    ("a police officer", "Street lighting is poor and break-ins are rising."),
+    ("an artist", "The town has no theatre or gallery and talent moves away."),
+    ("an accountant", "The town already carries debt; saving part of the grant is prudent."),
+)
+NOTES = (
+    "Last year you led a petition that gathered three hundred signatures.",
+    "You have lived in the town for forty years and remember the last grant being wasted.",
+    "Your neighbours often ask you to speak for them at meetings.",
+    "You have read the budget report twice and marked every line you disagree with.",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AllGatherConfig:
+    agents: int
+    rounds: int
+    order: str = "shuffle"
+    seed: int = 0
+    output_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        if self.agents < 2 or self.rounds < 1 or self.output_tokens < 1:
+            raise InvalidRequestError(
+                "an All-Gather workload needs --agents >= 2, --rounds >= 1 and output tokens >= 1"
+            )
+        if self.order not in ORDERS:
+            raise InvalidRequestError(f"--order must be one of {ORDERS}, got {self.order!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTurn:
+    """One agent's prompt in one round, and what it answered."""
+
+    round: int
+    agent: int
+    prompt: SegmentedPrompt
+    output_ids: tuple[int, ...]
+    output_text: str
+
+
+def order_for(cfg: AllGatherConfig, round_index: int, agent: int) -> list[int]:
+    """The order in which `agent` reads the round's outputs."""
+    authors = list(range(cfg.agents))
+    if cfg.order == "rotate":
+        return authors[agent:] + authors[:agent]
+    if cfg.order == "shuffle":
+        random.Random(f"{cfg.seed}/{round_index}/{agent}").shuffle(authors)
+    return authors
+
+
+def _persona_text(cfg: AllGatherConfig, agent: int) -> str:
+    who, concern = PERSONAS[agent % len(PERSONAS)]
+    # Private histories of different lengths: agent a gets (a % 4) + 1 notes.
+    notes = " ".join(NOTES[: agent % len(NOTES) + 1])
+    return f"You are member {agent + 1}, {who}. {concern} {notes}"
+
+
+class _Chat:
+    """Messages in ChatML, the embedded model's chat template, tokenized one at a time (a test
+    checks this equals the tokenizer's own template on the same messages)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def tokens(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def message(self, role: str, content: str) -> tuple[int, ...]:
+        return self.tokens(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+
+
+def generate_trace(
+    cfg: AllGatherConfig,
+    engine: Engine,
+    tokenizer: Any,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[AgentTurn]:
+    """Run the council with the engine: every round's prompts, then every agent's output."""
+    chat = _Chat(tokenizer)
+    system = Segment(chat.message("system", SYSTEM), Role.SHARED, "system", SYSTEM, "system")
+    personas = [
+        Segment(chat.message("user", t), Role.PRIVATE, f"persona-{a}", t, "user")
+        for a, t in ((a, _persona_text(cfg, a)) for a in range(cfg.agents))
+    ]
+    params = SamplingParams(max_tokens=cfg.output_tokens)
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    newline = chat.tokens("\n")
+    history: list[list[Segment]] = []  # per earlier round: the output segments by author
+    turns: list[AgentTurn] = []
+    for r in range(cfg.rounds):
+        progress(f"round {r + 1}/{cfg.rounds}: {cfg.agents} agents")
+        prompts = []
+        for a in range(cfg.agents):
+            segments = [system, personas[a]]
+            for past, said in enumerate(history):
+                segments += [said[author] for author in order_for(cfg, past, a)]
+            ask = f"Round {r + 1}. Member {a + 1}, give your proposal in one or two sentences."
+            segments.append(
+                Segment(
+                    chat.message("user", ask) + chat.tokens("<|im_start|>assistant\n"),
+                    Role.INSTRUCTION,
+                    f"ask-{r}-{a}",
+                    ask,
+                    "user",
+                )
+            )
+            prompts.append(SegmentedPrompt.of(segments))
+        outputs = engine.generate(
+            Request(f"r{r}-a{a}", p.token_ids, params) for a, p in enumerate(prompts)
+        )
+        round_outputs = []
+        for a, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+            text = tokenizer.decode(list(out.output_ids), skip_special_tokens=True).strip()
+            turns.append(AgentTurn(r, a, prompt, out.output_ids, text))
+            # The author's exact tokens, closed like a message if generation was cut short.
+            body = out.output_ids if out.output_ids[-1] == end_id else (*out.output_ids, end_id)
+            header = chat.tokens(f"<|im_start|>user\nMember {a + 1} said: ")
+            round_outputs.append(
+                Segment(
+                    header + body + newline,
+                    Role.SHARED,
+                    f"out-{r}-{a}",
+                    text,
+                    "user",
+                )
+            )
+        history.append(round_outputs)
+    return turns
+
+
+def save_trace(path: Path, cfg: AllGatherConfig, model: str, turns: list[AgentTurn]) -> None:
+    """One JSON line for the config and the model fingerprint, then one per agent turn."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        out.write(json.dumps({"kind": "allgather", "config": asdict(cfg), "model": model}) + "\n")
+        for turn in turns:
+            segments = [
+                {
+                    "token_ids": list(s.token_ids),
+                    "role": s.role.value,
+                    "id": s.segment_id,
+                    "text": s.text,
+                    "message_role": s.message_role,
+                }
+                for s in turn.prompt.segments
+            ]
+            line = {
+                "round": turn.round,
+                "agent": turn.agent,
+                "segments": segments,
+                "output_ids": list(turn.output_ids),
+                "output_text": turn.output_text,
+            }
+            out.write(json.dumps(line) + "\n")
+
+
+def load_trace(path: Path) -> tuple[AllGatherConfig, str, list[AgentTurn]]:
+    """Read a trace written by save_trace: (config, model fingerprint, turns)."""
+    if not path.is_file():
+        raise InvalidRequestError(f"trace {str(path)!r} does not exist")
+    lines = path.read_text().splitlines()
+    try:
+        head = json.loads(lines[0])
+        if head.get("kind") != "allgather":
+            raise ValueError("the first line is not an All-Gather header")
+        cfg = AllGatherConfig(**head["config"])
+        turns = []
+        for line in lines[1:]:
+            item = json.loads(line)
+            segments = [
+                Segment(
+                    tuple(s["token_ids"]), Role(s["role"]), s["id"], s["text"], s["message_role"]
+                )
+                for s in item["segments"]
+            ]
+            turns.append(
+                AgentTurn(
+                    item["round"],
+                    item["agent"],
+                    SegmentedPrompt.of(segments),
+                    tuple(item["output_ids"]),
+                    item["output_text"],
+                )
+            )
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise InvalidRequestError(
+            f"trace {str(path)!r} is not an All-Gather trace written by `kmesh workload "
+            f"allgather`: {error}"
+        ) from None
+    return cfg, head["model"], turns
