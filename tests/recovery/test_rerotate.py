@@ -1,0 +1,50 @@
+"""Re-rotation against recomputation: the same tokens computed at the new positions.
+
+Attention under RoPE depends only on relative positions, so a run of tokens computed on its own
+at offset p or at offset q has the same pre-RoPE keys (up to float reduction noise); re-rotating
+the keys from p to q must then give the keys computed at q. Tolerance: fp32 angles at positions
+in the thousands carry ~1e-4 rad of rounding in the reference itself, so keys of magnitude O(10)
+agree to ~1e-3; the tiny model's O(1) keys to 1e-4.
+"""
+
+import pytest
+import torch
+
+from kmesh.compute.executor import SequenceInput
+from kmesh.recovery.rerotate import rerotate_keys
+from tests.conftest import random_tokens
+
+
+def keys_at(executor, tokens, offset):
+    positions = torch.arange(offset, offset + len(tokens))
+    return executor.forward([SequenceInput(torch.tensor(tokens), positions)])[0].k, positions
+
+
+@pytest.mark.parametrize(("p", "q"), [(0, 7), (100, 3), (5, 3000)])
+def test_rerotated_keys_equal_keys_computed_there(tiny, p, q):
+    executor, _ = tiny
+    tokens = random_tokens(24, seed=p + q)
+    k_p, pos_p = keys_at(executor, tokens, p)
+    k_q, pos_q = keys_at(executor, tokens, q)
+    for layer in range(executor.config.num_layers):
+        moved = rerotate_keys(k_p[layer], pos_p, pos_q, executor.config)
+        torch.testing.assert_close(moved, k_q[layer], atol=1e-4, rtol=1e-4)
+
+
+def test_rerotation_is_not_a_no_op(tiny):
+    executor, _ = tiny
+    k_p, pos_p = keys_at(executor, random_tokens(8, seed=1), 0)
+    moved = rerotate_keys(k_p[0], pos_p, pos_p + 5, executor.config)
+    assert (moved - k_p[0]).abs().max() > 0.01
+
+
+@pytest.mark.model
+def test_rerotation_on_the_real_model(real_model):
+    executor = real_model.executor
+    tokens = random_tokens(64, seed=2, high=real_model.config.vocab_size)
+    k_p, pos_p = keys_at(executor, tokens, 40)
+    k_q, pos_q = keys_at(executor, tokens, 2100)
+    for layer in (0, 14, 29):
+        moved = rerotate_keys(k_p[layer], pos_p, pos_q, executor.config)
+        scale = k_q[layer].abs().max()
+        assert ((moved - k_q[layer]).abs().max() / scale).item() < 1e-3
