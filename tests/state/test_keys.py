@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kmesh.state.keys import KeyNamespace, block_key, encode_part, prefix_block_keys
+from kmesh.state.keys import KeyNamespace, block_key, encode_part
 
 NS = KeyNamespace(model="m" * 64)
 
@@ -31,18 +31,16 @@ def test_parts_cannot_be_shifted_between_fields():
     assert block_key(a, None, [1]) != block_key(b, None, [1])
 
 
-def test_prefix_keys_chain_and_skip_the_partial_block():
-    tokens = list(range(10))
-    keys = prefix_block_keys(NS, tokens, block_size=4)
-    assert len(keys) == 2
-    assert keys[0] == block_key(NS, None, tokens[:4])
-    assert keys[1] == block_key(NS, keys[0], tokens[4:8])
-
-
 def test_same_block_after_a_different_prefix_gets_a_different_key():
-    first = prefix_block_keys(NS, [1, 2, 3, 4, 9, 9, 9, 9], block_size=4)
-    second = prefix_block_keys(NS, [5, 6, 7, 8, 9, 9, 9, 9], block_size=4)
-    assert first[1] != second[1]
+    first = block_key(NS, block_key(NS, None, [1, 2, 3, 4]), [9, 9, 9, 9])
+    second = block_key(NS, block_key(NS, None, [5, 6, 7, 8]), [9, 9, 9, 9])
+    assert first != second
+
+
+def test_keys_are_deterministic_sha256_digests():
+    key = block_key(NS, None, [1, 2, 3])
+    assert key == block_key(KeyNamespace(model="m" * 64), None, (1, 2, 3))
+    assert len(key) == 32
 
 
 part_lists = st.lists(

@@ -59,15 +59,3 @@ def block_key(
     digest.update(encode_part("parent", parent))
     digest.update(encode_part("tokens", encode_tokens(token_ids)))
     return BlockHash(digest.digest())
-
-
-def prefix_block_keys(
-    namespace: KeyNamespace, token_ids: Sequence[int], block_size: int
-) -> list[BlockHash]:
-    """Chained keys of every full block of `token_ids` (a trailing partial block gets none)."""
-    keys: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_key(namespace, parent, token_ids[start : start + block_size])
-        keys.append(parent)
-    return keys

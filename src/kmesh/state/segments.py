@@ -55,7 +55,7 @@ class SegmentedPrompt:
         for index, segment in enumerate(prompt.segments):
             if not segment.token_ids:
                 raise ContractError(f"segment {index} ({segment.segment_id!r}) is empty")
-            check_segment_id(ids, segment)
+            _check_segment_id(ids, segment)
         return prompt
 
     @classmethod
@@ -101,7 +101,7 @@ class SegmentedPrompt:
         return tuple(spans)
 
 
-def check_segment_id(known: dict[str, tuple[int, ...]], segment: Segment) -> None:
+def _check_segment_id(known: dict[str, tuple[int, ...]], segment: Segment) -> None:
     """Record a segment's id in `known`; refuse an id seen before with other tokens."""
     if segment.segment_id is None:
         return
