@@ -19,9 +19,7 @@ def _generate(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     llm = LLM(args.model)
-    completion = llm.generate([args.prompt], params, chat=args.chat, tenant_salt=args.tenant_salt)[
-        0
-    ]
+    [completion] = llm.generate([args.prompt], params, chat=args.chat, tenant_salt=args.tenant_salt)
     out = completion.output
     if args.json:
         print(
