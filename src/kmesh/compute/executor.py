@@ -94,6 +94,8 @@ class Executor:
         cos, sin = rope_cos_sin(positions, self._inv_freq)
         x = F.embedding(token_ids, self.weights.embed_tokens)
         groups = _shared_groups(batch)
+        # By-position causal masks over (context, new tokens), the same in every layer.
+        masks = [_causal_mask(item) for item in batch]
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
         new_v: list[list[torch.Tensor]] = [[] for _ in batch]
         for index, layer in enumerate(self.weights.layers):
@@ -106,20 +108,14 @@ class Executor:
             q_seqs = q.split(lengths)
             shared_parts = self._attend_shared(index, q_seqs, groups)
             outputs = []
-            for seq, (q_s, k_s, v_s, pos_s) in enumerate(
-                zip(
-                    q_seqs,
-                    k.split(lengths),
-                    v.split(lengths),
-                    positions.split(lengths),
-                    strict=True,
-                )
+            for seq, (q_s, k_s, v_s) in enumerate(
+                zip(q_seqs, k.split(lengths), v.split(lengths), strict=True)
             ):
                 new_k[seq].append(k_s)
                 new_v[seq].append(v_s)
                 outputs.append(
                     self._attend(
-                        index, q_s, k_s, v_s, pos_s, batch[seq].context, shared_parts.get(seq)
+                        index, q_s, k_s, v_s, masks[seq], batch[seq].context, shared_parts.get(seq)
                     )
                 )
             attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
@@ -160,17 +156,14 @@ class Executor:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        positions: torch.Tensor,
+        mask: torch.Tensor,
         context: ContextKV | None,
         shared_part: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        key_positions = positions
         if context is not None and len(context.positions) > 0:
             context_k, context_v = context.layer(layer_index)
             k = torch.cat((context_k.to(k.dtype), k))
             v = torch.cat((context_v.to(v.dtype), v))
-            key_positions = torch.cat((context.positions, positions))
-        mask = key_positions[None, :] <= positions[:, None]
         if shared_part is None:
             return attend(q, k, v, mask)
         out, lse = attend_with_lse(q, k, v, mask)
@@ -181,6 +174,14 @@ class Executor:
         variance = x32.pow(2).mean(-1, keepdim=True)
         normed = x32 * torch.rsqrt(variance + self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
+
+
+def _causal_mask(item: SequenceInput) -> torch.Tensor:
+    """[n, m + n]: new token i may attend to a context or new key at a position <= its own."""
+    key_positions = item.positions
+    if item.context is not None and len(item.context.positions) > 0:
+        key_positions = torch.cat((item.context.positions, item.positions))
+    return key_positions[None, :] <= item.positions[:, None]
 
 
 def _shared_groups(batch: Sequence[SequenceInput]) -> list[tuple[ContextKV, list[int]]]:
