@@ -29,7 +29,6 @@ from kmesh.state.families import FamilyRegistry
 class EngineCounters:
     # Token positions run through the model, every kind (prefill, decode, recomputation).
     computed_tokens: int = 0
-    steps: int = 0
     # Most blocks held by live or retained sequences at once (cached free blocks not counted).
     peak_blocks_in_use: int = 0
 
@@ -141,7 +140,6 @@ class Engine:
         return ended
 
     def _run(self, batch: ScheduledBatch) -> None:
-        self.counters.steps += 1
         self.counters.computed_tokens += sum(len(s.token_ids) - s.num_computed for s in batch.seqs)
         self.counters.peak_blocks_in_use = max(
             self.counters.peak_blocks_in_use, self.kv.num_blocks_in_use
