@@ -133,3 +133,23 @@ def test_a_shared_context_after_the_new_tokens_is_refused(tiny):
     shared = prefix.as_context(torch.arange(8))
     with pytest.raises(ValueError, match="precede"):
         executor.forward([SequenceInput(torch.tensor([5]), torch.tensor([3]), None, shared)])
+
+
+def test_a_run_split_across_layer_ranges_equals_one_run(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(40, seed=7)
+    item = SequenceInput(torch.tensor(tokens), torch.arange(40))
+    reference, reference_logits = full(executor, tokens)
+    first = executor.forward([item], layers=range(1))[0]
+    assert first.residual is not None and len(first.k) == 1
+    rest = executor.forward([item], layers=range(1, 2), residual=[first.residual])[0]
+    assert rest.residual is None
+    assert torch.equal(first.k[0], reference.k[0]) and torch.equal(rest.k[0], reference.k[1])
+    assert torch.equal(executor.logits(rest.hidden), reference_logits)
+
+
+def test_a_partial_run_needs_the_residual_stream(tiny):
+    executor, _ = tiny
+    item = SequenceInput(torch.tensor([5, 6]), torch.arange(2))
+    with pytest.raises(ValueError, match="residual"):
+        executor.forward([item], layers=range(1, 2))

@@ -63,8 +63,10 @@ class SequenceInput:
 @dataclass(frozen=True, slots=True)
 class SequenceOutput:
     hidden: torch.Tensor  # [n, hidden], after the final norm: feed to Executor.logits
-    k: list[torch.Tensor]  # per layer [n, kv_heads, head_dim], after RoPE
-    v: list[torch.Tensor]  # per layer [n, kv_heads, head_dim]
+    k: list[torch.Tensor]  # per layer run [n, kv_heads, head_dim], after RoPE
+    v: list[torch.Tensor]  # per layer run [n, kv_heads, head_dim]
+    # Set by a run that stopped before the last layer: the input of the next layer.
+    residual: torch.Tensor | None = None
 
     def as_context(self, positions: torch.Tensor) -> DenseKV:
         """This output's KV as context for later tokens."""
@@ -86,19 +88,35 @@ class Executor:
         self._inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
 
     @torch.inference_mode()
-    def forward(self, batch: Sequence[SequenceInput]) -> list[SequenceOutput]:
+    def forward(
+        self,
+        batch: Sequence[SequenceInput],
+        layers: range | None = None,
+        residual: Sequence[torch.Tensor] | None = None,
+    ) -> list[SequenceOutput]:
+        """Run the batch through `layers` (default: all). A partial run starts from `residual`
+        (the per-sequence `residual` of an earlier run that ended where this one starts) instead
+        of the embeddings; an output's k/v lists then hold `layers` only, and its `residual` is
+        set when the run stops before the last layer (`hidden` is final-normed only after it)."""
         cfg = self.config
+        layers = range(cfg.num_layers) if layers is None else layers
         lengths = [len(item.token_ids) for item in batch]
         token_ids = torch.cat([item.token_ids for item in batch])
         positions = torch.cat([item.positions for item in batch])
         cos, sin = rope_cos_sin(positions, self._inv_freq)
-        x = F.embedding(token_ids, self.weights.embed_tokens)
+        if residual is None:
+            if layers.start != 0:
+                raise ValueError("a run that does not start at layer 0 needs the residual stream")
+            x = F.embedding(token_ids, self.weights.embed_tokens)
+        else:
+            x = torch.cat(list(residual))
         groups = _shared_groups(batch)
         # By-position causal masks over (context, new tokens), the same in every layer.
         masks = [_causal_mask(item) for item in batch]
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
         new_v: list[list[torch.Tensor]] = [[] for _ in batch]
-        for index, layer in enumerate(self.weights.layers):
+        for index in layers:
+            layer = self.weights.layers[index]
             h = self._rms_norm(x, layer.input_norm)
             q = F.linear(h, layer.q_proj).view(-1, cfg.num_heads, cfg.head_dim)
             k = F.linear(h, layer.k_proj).view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -125,6 +143,12 @@ class Executor:
                 F.silu(F.linear(h, layer.gate_proj)) * F.linear(h, layer.up_proj),
                 layer.down_proj,
             )
+        if layers.stop < cfg.num_layers:
+            parts = x.split(lengths)
+            return [
+                SequenceOutput(parts[seq], new_k[seq], new_v[seq], residual=parts[seq])
+                for seq in range(len(batch))
+            ]
         hidden = self._rms_norm(x, self.weights.final_norm).split(lengths)
         return [SequenceOutput(hidden[seq], new_k[seq], new_v[seq]) for seq in range(len(batch))]
 

@@ -19,7 +19,8 @@ def rerotate_keys(
     to_positions: torch.Tensor,
     config: ModelConfig,
 ) -> torch.Tensor:
-    """Keys [n, kv_heads, head_dim] computed at `from_positions` [n], as if at `to_positions`."""
+    """Keys [..., n, kv_heads, head_dim] (e.g. [layers, n, ...]) computed at `from_positions`
+    [n], as if computed at `to_positions` [n]."""
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
     cos, sin = rope_cos_sin(to_positions - from_positions, inv_freq)
     return apply_rope(keys, cos, sin)

@@ -15,6 +15,7 @@ BlockHash = NewType("BlockHash", bytes)
 """SHA-256 digest identifying one full block of exact (position-bound) state."""
 
 _BLOCK_KEY_VERSION = b"kmesh-block-key-v1"
+_SEGMENT_KEY_VERSION = b"kmesh-segment-key-v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +60,15 @@ def block_key(
     digest.update(encode_part("parent", parent))
     digest.update(encode_part("tokens", encode_tokens(token_ids)))
     return BlockHash(digest.digest())
+
+
+def segment_key(namespace: KeyNamespace, token_ids: Sequence[int], context: str) -> bytes:
+    """Key of a position-independent segment: namespace, its tokens and a tag naming the context
+    its KV was computed in (the same tokens computed after different text have different KV)."""
+    digest = hashlib.sha256(_SEGMENT_KEY_VERSION)
+    digest.update(encode_part("model", namespace.model.encode()))
+    digest.update(encode_part("adapter", _optional_text(namespace.adapter)))
+    digest.update(encode_part("tenant", _optional_text(namespace.tenant_salt)))
+    digest.update(encode_part("context", context.encode()))
+    digest.update(encode_part("tokens", encode_tokens(token_ids)))
+    return digest.digest()

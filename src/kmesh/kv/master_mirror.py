@@ -1,0 +1,320 @@
+"""Master-Mirror KV storage for an All-Gather round (as in TokenDance).
+
+In an All-Gather round N siblings read the same N output segments, each in its own order and from
+its own start position. The master holds the segments' KV once, densely, in blocks: keys re-rotated
+to canonical positions 0..n_i-1 of their segment, every segment starting a new block (its last
+block zero padded). A sibling is a mirror: its segment order and start position, which say where
+every master token sits in the sibling's prompt, plus a block-sparse diff of the sibling's blocks
+whose KV is not the master's (the blocks its recovery recomputed). The sibling's blocks are the
+master blocks of its segments, concatenated in its order, so a diff block lines up with one master
+block.
+
+Exact mode stores every given diff block: restore returns the sibling's KV bit-identically.
+Tolerance mode drops a diff block whose KV lies within the tolerance of the master's (max abs
+difference) and records the largest dropped difference.
+
+`restore` is one fused pass over all blocks, tokens and layers at once: gather the sibling's master
+blocks (one index_select), rotate every gathered key from canonical to sibling position (one RoPE
+call), overwrite the diff blocks (one index_copy), select the region's tokens (one index_select).
+The sibling's recovery starts from `restore` of a diff-free mirror and stores recomputed whole
+blocks as the diff, so the blocks it kept and the blocks it stored both come back bit-identical.
+"""
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kmesh.compute.config import ModelConfig
+from kmesh.recovery.rerotate import rerotate_keys
+
+
+def _rotate(
+    k: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, config: ModelConfig
+) -> torch.Tensor:
+    """Keys [n, L, H, D] moved from `from_positions` [n] to `to_positions` [n]: one RoPE call
+    for all layers (folded into the heads dimension)."""
+    n, layers, heads, dim = k.shape
+    rotated = rerotate_keys(k.reshape(n, layers * heads, dim), from_positions, to_positions, config)
+    return rotated.view(n, layers, heads, dim)
+
+
+def _rope_shape(config: ModelConfig) -> tuple[int, int, int, float]:
+    return (config.num_layers, config.num_kv_heads, config.head_dim, config.rope_theta)
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
+class Master:
+    """The round's segments' KV, dense, in blocks of canonical form (keys at 0..n_i-1)."""
+
+    blocks: torch.Tensor  # [B, 2, layers, block_size, kv_heads, head_dim]; [:, 0] K, [:, 1] V
+    segment_lengths: tuple[int, ...]
+    segment_first_block: tuple[int, ...]  # index of each segment's first block in `blocks`
+    block_size: int
+    config: ModelConfig  # the RoPE the canonical keys are rotated with
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    @property
+    def block_positions(self) -> torch.Tensor:
+        """[B] int64: canonical position (offset in its segment) of each block's first slot."""
+        device = self.blocks.device
+        positions = torch.zeros(self.blocks.shape[0], dtype=torch.int64, device=device)
+        for first, length in zip(self.segment_first_block, self.segment_lengths, strict=True):
+            count = -(-length // self.block_size)
+            offsets = torch.arange(count, device=device) * self.block_size
+            positions[first : first + count] = offsets
+        return positions
+
+    @classmethod
+    def build(
+        cls,
+        segments: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        block_size: int,
+        config: ModelConfig,
+    ) -> "Master":
+        """Segments in canonical order, each (k [L, n_i, H, D], v [L, n_i, H, D], positions
+        [n_i] at which the keys were computed)."""
+        if not segments:
+            raise ValueError("a master needs at least one segment")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        dtype = segments[0][0].dtype
+        shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+        lengths = []
+        for i, (k, v, positions) in enumerate(segments):
+            if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != shape:
+                raise ValueError(
+                    f"segment {i}: k has shape {tuple(k.shape)}, expected [L, n, H, D] with "
+                    f"(L, H, D) = {shape}"
+                )
+            if v.shape != k.shape:
+                raise ValueError(f"segment {i}: v shape {tuple(v.shape)} != k {tuple(k.shape)}")
+            if positions.shape != (k.shape[1],):
+                raise ValueError(
+                    f"segment {i}: positions shape {tuple(positions.shape)}, expected "
+                    f"({k.shape[1]},)"
+                )
+            if k.dtype != dtype or v.dtype != dtype:
+                raise ValueError(f"segment {i}: dtype differs from segment 0's {dtype}")
+            lengths.append(k.shape[1])
+        counts = [-(-n // block_size) for n in lengths]
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        layers, heads, dim = shape
+        blocks = torch.zeros(
+            (sum(counts), 2, layers, block_size, heads, dim),
+            dtype=dtype,
+            device=segments[0][0].device,
+        )
+        for (k, v, positions), n, count, first in zip(
+            segments, lengths, counts, firsts, strict=True
+        ):
+            to = torch.arange(n, device=k.device)
+            canonical = _rotate(k.transpose(0, 1), positions.long(), to, config)
+            padded = k.new_zeros((2, layers, count * block_size, heads, dim))
+            padded[0, :, :n] = canonical.transpose(0, 1)
+            padded[1, :, :n] = v
+            blocks[first : first + count] = padded.view(
+                2, layers, count, block_size, heads, dim
+            ).permute(2, 0, 1, 3, 4, 5)
+        return cls(blocks, tuple(lengths), tuple(firsts), block_size, config)
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
+class Mirror:
+    """One sibling's view of the master: the master's segments in the sibling's `order`, placed
+    contiguously from position `start`, plus a block-sparse diff."""
+
+    order: tuple[int, ...]  # permutation of segment indices: the sibling reads order[0] first
+    start: int  # position of the region's first token in the sibling's prompt
+    block_table: torch.Tensor  # [b] int64: master block of each sibling block, in sibling order
+    token_slots: torch.Tensor  # [T] int64: sibling slot (block * block_size + offset) per token
+    positions: torch.Tensor  # [T] int64: each region token's position in the sibling's prompt
+    diff_index: torch.Tensor  # [d] int64: sibling blocks stored in the diff, ascending
+    diff_blocks: torch.Tensor  # [d, 2, layers, block_size, kv_heads, head_dim], sibling form
+    dropped_error: float = 0.0  # tolerance mode: max abs difference of the dropped diff blocks
+
+    @classmethod
+    def of(cls, master: Master, order: Sequence[int], start: int) -> "Mirror":
+        """The mirror of a sibling reading the segments in `order` from position `start`, with
+        an empty diff."""
+        order = tuple(order)
+        if sorted(order) != list(range(len(master.segment_lengths))):
+            raise ValueError(
+                f"order {order} is not a permutation of the master's "
+                f"{len(master.segment_lengths)} segment indices"
+            )
+        if start < 0:
+            raise ValueError(f"start must be non-negative, got {start}")
+        bs = master.block_size
+        device = master.blocks.device
+        tables, slots = [], []
+        blocks_before = 0
+        for segment in order:
+            n = master.segment_lengths[segment]
+            count = -(-n // bs)
+            first = master.segment_first_block[segment]
+            tables.append(torch.arange(first, first + count, device=device))
+            slots.append(blocks_before * bs + torch.arange(n, device=device))
+            blocks_before += count
+        block_table = torch.cat(tables)
+        token_slots = torch.cat(slots)
+        positions = start + torch.arange(token_slots.numel(), device=device)
+        empty = master.blocks.new_zeros((0, *master.blocks.shape[1:]))
+        return cls(
+            order,
+            start,
+            block_table,
+            token_slots,
+            positions,
+            torch.zeros(0, dtype=torch.int64, device=device),
+            empty,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.diff_blocks.shape[3]
+
+    def block_of_token(self) -> torch.Tensor:
+        """[T] sibling block index of each region token."""
+        return self.token_slots // self.block_size
+
+    def tokens_of_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Sorted indices of the region tokens lying in sibling `blocks`."""
+        self._check_blocks(blocks)
+        return torch.isin(self.block_of_token(), blocks).nonzero().flatten()
+
+    def with_diff(
+        self,
+        master: Master,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        blocks: torch.Tensor,
+        tolerance: float | None = None,
+    ) -> "Mirror":
+        """A mirror whose diff (replacing this one's) holds sibling `blocks` of the sibling's own
+        region KV k/v [L, T, H, D] (sibling form, at `positions`).
+
+        Exact mode (tolerance None) stores every given block. Tolerance mode drops a block whose
+        max abs difference from the master's KV (restored without diff) is <= tolerance.
+        """
+        expected = (master.blocks.shape[2], self.token_slots.numel(), *master.blocks.shape[4:])
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != expected:
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)}, expected the region's [L, T, H, D] = "
+                    f"{expected}"
+                )
+            if x.dtype != master.blocks.dtype:
+                raise ValueError(f"{name} dtype {x.dtype} != the master's {master.blocks.dtype}")
+        self._check_blocks(blocks)
+        index = torch.unique(blocks.long())
+        sibling = self._region_to_blocks(k, v).index_select(0, index)
+        dropped_error = 0.0
+        if tolerance is not None:
+            base = _sibling_blocks(master, self, master.config, diff=False).index_select(0, index)
+            error = (sibling - base).abs().flatten(1).amax(dim=1)
+            keep = error > tolerance
+            if not keep.all():
+                dropped_error = float(error[~keep].max())
+            index, sibling = index[keep], sibling[keep]
+        return Mirror(
+            self.order,
+            self.start,
+            self.block_table,
+            self.token_slots,
+            self.positions,
+            index,
+            sibling,
+            dropped_error,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """What the sibling costs beyond the master: diff blocks plus index tensors."""
+        tensors = (
+            self.diff_blocks,
+            self.block_table,
+            self.diff_index,
+            self.token_slots,
+            self.positions,
+        )
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def dense_nbytes(self) -> int:
+        """Bytes of a dense per-sibling copy of the region in blocks."""
+        per_block = math.prod(self.diff_blocks.shape[1:]) * self.diff_blocks.element_size()
+        return self.block_table.numel() * per_block
+
+    def _check_blocks(self, blocks: torch.Tensor) -> None:
+        count = self.block_table.numel()
+        if blocks.dim() != 1:
+            raise ValueError(f"blocks must be 1-D, got shape {tuple(blocks.shape)}")
+        if blocks.numel() and (blocks.min() < 0 or blocks.max() >= count):
+            raise ValueError(
+                f"block index out of range: {blocks.tolist()} (the sibling has {count} blocks)"
+            )
+
+    def _region_to_blocks(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Region KV [L, T, H, D] laid out in the sibling's blocks, zero padded."""
+        layers, _, heads, dim = k.shape
+        count = self.block_table.numel()
+        dense = k.new_zeros((2, layers, count * self.block_size, heads, dim))
+        dense.index_copy_(2, self.token_slots, torch.stack((k, v)))
+        return dense.view(2, layers, count, self.block_size, heads, dim).permute(2, 0, 1, 3, 4, 5)
+
+
+def _sibling_blocks(
+    master: Master, mirror: Mirror, config: ModelConfig, diff: bool
+) -> torch.Tensor:
+    """The sibling's blocks [b, 2, L, block_size, H, D] in sibling form: the master's, gathered
+    and rotated to sibling positions, then (if `diff`) the diff blocks written over them."""
+    if mirror.block_size != master.block_size:
+        raise ValueError(
+            f"mirror block size {mirror.block_size} != master block size {master.block_size}"
+        )
+    if mirror.block_table.numel() and mirror.block_table.max() >= master.blocks.shape[0]:
+        raise ValueError(
+            f"mirror's block table refers to block {mirror.block_table.max().item()}, the master "
+            f"has {master.blocks.shape[0]}"
+        )
+    if _rope_shape(config) != _rope_shape(master.config):
+        raise ValueError(
+            f"config (layers, kv_heads, head_dim, rope_theta) {_rope_shape(config)} != the "
+            f"master's {_rope_shape(master.config)}"
+        )
+    gathered = master.blocks.index_select(0, mirror.block_table)
+    count, _, layers, bs, heads, dim = gathered.shape
+    # Canonical position of every slot; sibling position of every token's slot (padding: no turn).
+    starts = master.block_positions[mirror.block_table]
+    canonical = (starts[:, None] + torch.arange(bs, device=starts.device)).flatten()
+    target = canonical.index_copy(0, mirror.token_slots, mirror.positions)
+    keys = gathered[:, 0].transpose(1, 2).reshape(count * bs, layers, heads, dim)
+    keys = _rotate(keys, canonical, target, config).view(count, bs, layers, heads, dim)
+    out = torch.stack((keys.transpose(1, 2), gathered[:, 1]), dim=1)
+    if diff:
+        out.index_copy_(0, mirror.diff_index, mirror.diff_blocks)
+    return out
+
+
+def restore(
+    master: Master, mirror: Mirror, config: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sibling's region KV (k, v), each [L, T, H, D], in sibling token order."""
+    blocks = _sibling_blocks(master, mirror, config, diff=True)
+    count, _, layers, bs, heads, dim = blocks.shape
+    flat = blocks.permute(1, 2, 0, 3, 4, 5).reshape(2, layers, count * bs, heads, dim)
+    region = flat.index_select(2, mirror.token_slots)
+    return region[0], region[1]
+
+
+def kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    """SHA-256 hex of the contiguous bytes of k then v (for bit-identity checks)."""
+    digest = hashlib.sha256()
+    for x in (k, v):
+        digest.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

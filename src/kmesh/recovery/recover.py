@@ -1,0 +1,231 @@
+"""Recovery: turn reused, re-rotated segment KV into KV good enough for a new context.
+
+A region is the part of a prompt after its exact prefix: reusable tokens (their KV comes from
+elsewhere, already turned to the region's positions) and new tokens (always computed). Recovery
+recomputes a policy's choice of the reusable tokens together with the new ones, against the exact
+prefix and the reused KV of everything not recomputed (the executor's subset primitive):
+
+- policies without a check layer (none, full, first_k, random) compute the chosen tokens through
+  all layers;
+- kv_deviation (CacheBlend) first computes every region token through layers 0..c (the check
+  layer c), scores each reusable token by the relative deviation of its fresh keys from the reused
+  ones at layer c, then continues only the chosen and new tokens through the later layers. The
+  fresh KV of layers 0..c is kept for every token (it is paid for), unless the caller wants the
+  reused KV kept outside the chosen units (a Master-Mirror sibling, whose diff must stay sparse).
+
+The quality gate: with a threshold set, the check layer is computed for every region (also for
+policies that do not need it) and a region whose mean relative deviation exceeds the threshold is
+recomputed in full: the safe fallback. Layer 0 cannot serve as check layer: its keys depend on the
+token and position only, so re-rotated keys never deviate there.
+
+Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
+layers counts 2/30.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kmesh.compute.executor import DenseKV, Executor, SequenceInput, SequenceOutput
+from kmesh.recovery.policies import check_policy, needs_check_layer, select
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryConfig:
+    policy: str
+    ratio: float  # share of the reusable units to recompute (ignored by none and full)
+    check_layer: int = 1
+    gate: float | None = None  # mean relative deviation above which a region is recomputed
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"the recompute ratio must be in [0, 1], got {self.ratio}")
+        if self.check_layer < 1:
+            raise ValueError("the check layer must be >= 1 (keys never deviate at layer 0)")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionInput:
+    token_ids: torch.Tensor  # [t]
+    positions: torch.Tensor  # [t], all after the prefix's
+    prefix: DenseKV | None  # exact KV before the region
+    reused_k: torch.Tensor  # [layers, t, kv_heads, head_dim] at `positions`; rows not reusable
+    reused_v: torch.Tensor  # are ignored
+    reusable: torch.Tensor  # [t] bool
+    segment: torch.Tensor  # [t] segment index of each token (first_k's unit of "segment")
+    # [t] block index of each token: select whole blocks; None selects tokens.
+    block: torch.Tensor | None = None
+    # Keep the reused KV of tokens that are not recomputed even at the check layers.
+    keep_reused_outside_selection: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    k: torch.Tensor  # [layers, t, kv_heads, head_dim]
+    v: torch.Tensor
+    # Final hidden state of the region's last token, if it was computed (logits of what follows).
+    last_hidden: torch.Tensor | None
+    recomputed: torch.Tensor  # sorted indices of the reusable tokens that were recomputed
+    computed_tokens: float  # token-layers / layers
+    deviation: float | None  # mean relative key deviation at the check layer, if computed
+    fell_back: bool
+
+
+def recover(
+    executor: Executor, regions: Sequence[RegionInput], cfg: RecoveryConfig
+) -> list[Recovered]:
+    """Recover a batch of regions (one executor batch per phase)."""
+    layers = executor.config.num_layers
+    if cfg.check_layer >= layers:
+        raise ValueError(f"check layer {cfg.check_layer} is not below the {layers} layers")
+    checked = [
+        bool(r.reusable.any()) and (needs_check_layer(cfg.policy) or cfg.gate is not None)
+        for r in regions
+    ]
+    check_range = range(cfg.check_layer + 1)
+    first = _run(
+        executor,
+        [
+            SequenceInput(r.token_ids, r.positions, r.prefix)
+            for r, c in zip(regions, checked, strict=True)
+            if c
+        ],
+        check_range,
+    )
+    early: list[SequenceOutput | None] = [first.pop(0) if c else None for c in checked]
+    plans = []
+    for region, out in zip(regions, early, strict=True):
+        deviation = None if out is None else _deviation(out, region, cfg.check_layer)
+        mean = None if deviation is None else float(deviation[region.reusable].mean())
+        fell_back = cfg.gate is not None and mean is not None and mean > cfg.gate
+        chosen = _choose(region, cfg, deviation, fell_back)
+        plans.append((chosen, mean, fell_back))
+    # Second phase: chosen + new tokens through the remaining layers, against the prefix and the
+    # reused KV of everything else.
+    later = range(cfg.check_layer + 1, layers)
+    inputs: dict[int, SequenceInput] = {}
+    residuals: dict[int, torch.Tensor] = {}
+    for i, (region, (chosen, _, _)) in enumerate(zip(regions, plans, strict=True)):
+        compute = torch.sort(torch.cat((chosen, torch.nonzero(~region.reusable)[:, 0]))).values
+        if len(compute) == 0:
+            continue
+        inputs[i] = SequenceInput(
+            region.token_ids[compute], region.positions[compute], _context(region, compute)
+        )
+        out = early[i]
+        if out is not None:
+            assert out.residual is not None
+            residuals[i] = out.residual[compute]
+    resumed = [i for i in inputs if i in residuals]
+    fresh = [i for i in inputs if i not in residuals]
+    outputs = dict(
+        zip(
+            resumed,
+            _run(executor, [inputs[i] for i in resumed], later, [residuals[i] for i in resumed]),
+            strict=True,
+        )
+    )
+    outputs.update(zip(fresh, _run(executor, [inputs[i] for i in fresh], None), strict=True))
+    results = []
+    for i, (region, (chosen, mean, fell_back)) in enumerate(zip(regions, plans, strict=True)):
+        results.append(
+            _assemble(region, chosen, early[i], outputs.get(i), mean, fell_back, cfg, layers)
+        )
+    return results
+
+
+def _run(
+    executor: Executor,
+    batch: list[SequenceInput],
+    layers: range | None,
+    residual: list[torch.Tensor] | None = None,
+) -> list[SequenceOutput]:
+    return executor.forward(batch, layers, residual) if batch else []
+
+
+def _deviation(out: SequenceOutput, region: RegionInput, check_layer: int) -> torch.Tensor:
+    """[t] relative L2 deviation of fresh from reused keys at the check layer (0 if not reused)."""
+    fresh = out.k[check_layer].float()
+    reused = region.reused_k[check_layer].float()
+    deviation = (fresh - reused).flatten(1).norm(dim=1) / fresh.flatten(1).norm(dim=1).clamp_min(
+        1e-6
+    )
+    return torch.where(region.reusable, deviation, torch.zeros_like(deviation))
+
+
+def _choose(
+    region: RegionInput, cfg: RecoveryConfig, deviation: torch.Tensor | None, fell_back: bool
+) -> torch.Tensor:
+    """Sorted indices of the reusable tokens to recompute."""
+    tokens = torch.nonzero(region.reusable)[:, 0]
+    if fell_back or cfg.policy == "full":
+        return tokens
+    if region.block is None:
+        unit_of_token = torch.arange(len(tokens))
+        units = len(tokens)
+    else:
+        unit_ids, unit_of_token = torch.unique(region.block[tokens], return_inverse=True)
+        units = len(unit_ids)
+    unit_segment = torch.zeros(units, dtype=torch.int64).scatter_(
+        0, unit_of_token, region.segment[tokens]
+    )
+    unit_deviation = None
+    if deviation is not None:
+        sums = torch.zeros(units).index_add_(0, unit_of_token, deviation[tokens].float())
+        counts = torch.zeros(units).index_add_(0, unit_of_token, torch.ones(len(tokens)))
+        unit_deviation = sums / counts
+    units_chosen = select(
+        cfg.policy, round(cfg.ratio * units), unit_segment, unit_deviation, cfg.seed
+    )
+    return tokens[torch.isin(unit_of_token, units_chosen)]
+
+
+def _context(region: RegionInput, compute: torch.Tensor) -> DenseKV:
+    """The prefix plus the reused KV of every region token not in `compute`."""
+    keep = torch.ones(len(region.token_ids), dtype=torch.bool)
+    keep[compute] = False
+    ks, vs = region.reused_k[:, keep], region.reused_v[:, keep]
+    positions = region.positions[keep]
+    if region.prefix is None:
+        return DenseKV(positions, list(ks), list(vs))
+    prefix = region.prefix
+    return DenseKV(
+        torch.cat((prefix.positions, positions)),
+        [torch.cat((prefix.k[layer], ks[layer])) for layer in range(len(ks))],
+        [torch.cat((prefix.v[layer], vs[layer])) for layer in range(len(vs))],
+    )
+
+
+def _assemble(
+    region: RegionInput,
+    chosen: torch.Tensor,
+    early: SequenceOutput | None,
+    late: SequenceOutput | None,
+    mean: float | None,
+    fell_back: bool,
+    cfg: RecoveryConfig,
+    layers: int,
+) -> Recovered:
+    t = len(region.token_ids)
+    compute = torch.sort(torch.cat((chosen, torch.nonzero(~region.reusable)[:, 0]))).values
+    k = region.reused_k.clone()
+    v = region.reused_v.clone()
+    cost = 0.0
+    if early is not None:
+        refreshed = compute if region.keep_reused_outside_selection else torch.arange(t)
+        for layer in range(cfg.check_layer + 1):
+            k[layer, refreshed] = early.k[layer][refreshed]
+            v[layer, refreshed] = early.v[layer][refreshed]
+        cost += t * (cfg.check_layer + 1) / layers
+    if late is not None:
+        offset = layers - len(late.k)
+        for index, (k_layer, v_layer) in enumerate(zip(late.k, late.v, strict=True)):
+            k[offset + index, compute] = k_layer
+            v[offset + index, compute] = v_layer
+        cost += len(compute) * len(late.k) / layers
+    computed_last = len(compute) > 0 and int(compute[-1]) == t - 1
+    last_hidden = late.hidden[-1] if late is not None and computed_last else None
+    return Recovered(k, v, last_hidden, chosen, cost, mean, fell_back)
