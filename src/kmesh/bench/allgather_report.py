@@ -179,9 +179,13 @@ def _plot_quality_vs_ratio(sweep: list[dict[str, Any]], path: Path) -> None:
     figure, (kl_axes, greedy_axes) = _figure(2)
     for (policy, strategy), points in lines.items():
         ratios, kls, greedy = zip(*sorted(points), strict=True)
-        label = f"{policy} / {strategy}"
-        kl_axes.plot(ratios, kls, marker="o", label=label)
-        greedy_axes.plot(ratios, greedy, marker="o", label=label)
+        style = {
+            "label": f"{policy} / {strategy}",
+            "marker": "o",
+            "linestyle": "--" if strategy == "per_request" else "-",  # lines may overlap
+        }
+        kl_axes.plot(ratios, kls, **style)
+        greedy_axes.plot(ratios, greedy, **style)
     kl_axes.set_yscale("log")
     kl_axes.set_xlabel("recompute ratio")
     kl_axes.set_ylabel(f"next-token KL mean vs full (0 drawn at {KL_FLOOR:g})")

@@ -41,7 +41,7 @@ def _rotate(
     return rotated.view(n, layers, heads, dim)
 
 
-def _rope_shape(config: ModelConfig) -> tuple[int, int, int, float]:
+def _rope_geometry(config: ModelConfig) -> tuple[int, int, int, float]:
     return (config.num_layers, config.num_kv_heads, config.head_dim, config.rope_theta)
 
 
@@ -282,10 +282,10 @@ def _sibling_blocks(
             f"mirror's block table refers to block {mirror.block_table.max().item()}, the master "
             f"has {master.blocks.shape[0]}"
         )
-    if _rope_shape(config) != _rope_shape(master.config):
+    if _rope_geometry(config) != _rope_geometry(master.config):
         raise ValueError(
-            f"config (layers, kv_heads, head_dim, rope_theta) {_rope_shape(config)} != the "
-            f"master's {_rope_shape(master.config)}"
+            f"config (layers, kv_heads, head_dim, rope_theta) {_rope_geometry(config)} != the "
+            f"master's {_rope_geometry(master.config)}"
         )
     gathered = master.blocks.index_select(0, mirror.block_table)
     count, _, layers, bs, heads, dim = gathered.shape

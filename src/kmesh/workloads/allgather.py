@@ -87,6 +87,11 @@ class AgentTurn:
     output_text: str
 
 
+def output_segment_id(round_index: int, agent: int) -> str:
+    """The segment id of `agent`'s output in round `round_index`, the same in every prompt."""
+    return f"out-{round_index}-{agent}"
+
+
 def order_for(cfg: AllGatherConfig, round_index: int, agent: int) -> list[int]:
     """The order in which `agent` reads the round's outputs."""
     authors = list(range(cfg.agents))
@@ -168,7 +173,7 @@ def generate_trace(
                 Segment(
                     header + body + newline,
                     Role.SHARED,
-                    f"out-{r}-{a}",
+                    output_segment_id(r, a),
                     text,
                     "user",
                 )

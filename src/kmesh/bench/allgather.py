@@ -1,0 +1,569 @@
+"""`kmesh bench allgather`: one All-Gather trace, four ways to prefill it, measured against full.
+
+Strategies, all replaying the same prompts (a trace from workloads/allgather.py):
+- full: every prompt computed from scratch; the reference for quality.
+- prefix: exact prefix reuse: each agent keeps its own transcript's KV (its previous prompt
+  minus the instruction is a prefix of its next one) and the system prompt is computed once for
+  all agents; the rest of each prompt is computed. Token-granular: the best case of block-granular
+  caching.
+- per_request: prefix reuse, plus position-independent reuse of the round's outputs, recovered per
+  agent with the policy (CacheBlend / EPIC style): each output's stored KV comes from its author's
+  context, is re-rotated to the agent's positions and partly recomputed there.
+- collective (KMesh): prefix reuse, plus recovery/collective.py: the outputs recovered once per
+  round after the shared system prompt (same policy and ratio, from the same stored KV), stored as
+  one master; per agent a mirror that re-places them and recomputes `agent_ratio` of its blocks.
+
+The outputs' stored KV is the by-product of generation: each output computed after its author's
+full prompt (the reference run gives it; it is decode work, not counted as prefill). Headers and
+closing tokens around an output were not in its author's context and are computed.
+
+Accounting: computed_tokens = token-layers computed / layers (a token computed through 2 of 30
+layers counts 2/30), every round; prefill_seconds = wall time of the strategy's prefill work
+(recovery, restore, selection included); kv_bytes_per_agent = bytes stored per agent for the
+rounds' output regions in whole blocks (dense copies for full, prefix and per_request; master plus
+mirrors divided by the agents for collective). Quality is measured on every prompt that holds
+outputs (rounds >= 1; round-0 prompts hold none and every strategy computes them exactly): KL of the
+next-token distribution at the first generated position, top-1 agreement and the common prefix of
+32 greedy tokens decoded from each strategy's own KV.
+"""
+
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kmesh.bench.quality import Quality
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.executor import DenseKV, Executor, SequenceInput
+from kmesh.index.segment_index import SegmentIndex
+from kmesh.kv.master_mirror import kv_digest, restore
+from kmesh.kv.segment_kv import SegmentKV
+from kmesh.recovery.collective import SharedSegment, Sibling, recover_round
+from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
+from kmesh.state.keys import KeyNamespace
+from kmesh.state.segments import Role, Segment
+from kmesh.workloads.allgather import AgentTurn, output_segment_id
+
+STRATEGIES = ("full", "prefix", "per_request", "collective")
+AUTHOR = "author"  # segment-index context of an output's KV computed after its author's prompt
+COMPUTE_ALL = RecoveryConfig("full", 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class AllGatherBenchConfig:
+    policy: str = "kv_deviation"
+    recompute_ratio: float = 0.15
+    agent_ratio: float = 0.0
+    check_layer: int = 1
+    gate: float | None = None
+    block_size: int = 16
+    greedy_tokens: int = 32
+
+    def recovery(self, ratio: float) -> RecoveryConfig:
+        return RecoveryConfig(self.policy, ratio, self.check_layer, self.gate)
+
+
+@dataclass(slots=True)
+class StrategyRun:
+    name: str
+    computed_tokens: float = 0.0
+    prefill_seconds: float = 0.0
+    kv_bytes_per_agent: float = 0.0
+    fallbacks: int = 0
+    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    greedy: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Transcript:
+    """An agent's exact context so far (its prompt minus the instruction) and that KV."""
+
+    token_ids: tuple[int, ...]
+    k: torch.Tensor  # [layers, p, kv_heads, head_dim]
+    v: torch.Tensor
+
+    def context(self) -> DenseKV:
+        return DenseKV(torch.arange(len(self.token_ids)), list(self.k), list(self.v))
+
+
+class _Bench:
+    def __init__(
+        self,
+        executor: Executor,
+        fingerprint: str,
+        turns: Sequence[AgentTurn],
+        cfg: AllGatherBenchConfig,
+        progress: Callable[[str], None],
+    ) -> None:
+        self.executor = executor
+        self.cfg = cfg
+        self.progress = progress
+        self.rounds: list[list[AgentTurn]] = []
+        for turn in sorted(turns, key=lambda t: (t.round, t.agent)):
+            if turn.round == len(self.rounds):
+                self.rounds.append([])
+            self.rounds[turn.round].append(turn)
+        self.agents = len(self.rounds[0])
+        if any(len(r) != self.agents for r in self.rounds):
+            raise ValueError("every round of the trace must hold one turn per agent")
+        self.index: SegmentIndex[SegmentKV] = SegmentIndex(KeyNamespace(fingerprint))
+        cfg_model = executor.config
+        element = torch.empty((), dtype=executor.dtype).element_size()
+        self.block_bytes = (
+            2 * cfg_model.num_layers * cfg.block_size * cfg_model.num_kv_heads * cfg_model.head_dim
+        ) * element
+
+    # --- the four strategies -------------------------------------------------------------------
+
+    def run_full(self) -> StrategyRun:
+        """The reference; also stores every output's KV computed after its author's prompt."""
+        run = StrategyRun("full")
+        for r, turns in enumerate(self.rounds):
+            regions = [self._new_region(t.prompt.segments, None, 0) for t in turns]
+            started = time.perf_counter()
+            recovered = recover(self.executor, regions, COMPUTE_ALL)
+            run.prefill_seconds += time.perf_counter() - started
+            self._finish_round(run, r, turns, [None] * len(turns), recovered)
+            self._store_outputs(r, turns, recovered)
+        return run
+
+    def run_prefix(self) -> StrategyRun:
+        run = StrategyRun("prefix")
+        transcripts = self._start(run)
+        for r, turns in enumerate(self.rounds):
+            regions = [
+                self._new_region(self._region_segments(t, x), x, len(x.token_ids))
+                for t, x in zip(turns, transcripts, strict=True)
+            ]
+            started = time.perf_counter()
+            recovered = recover(self.executor, regions, COMPUTE_ALL)
+            run.prefill_seconds += time.perf_counter() - started
+            self._finish_round(run, r, turns, transcripts, recovered)
+        return run
+
+    def run_per_request(self, ratio: float) -> StrategyRun:
+        run = StrategyRun("per_request")
+        transcripts = self._start(run)
+        for r, turns in enumerate(self.rounds):
+            started = time.perf_counter()
+            regions = [self._reuse_region(r, t, x) for t, x in zip(turns, transcripts, strict=True)]
+            recovered = recover(self.executor, regions, self.cfg.recovery(ratio))
+            run.prefill_seconds += time.perf_counter() - started
+            if r > 0:
+                run.kv_bytes_per_agent += self._dense_output_bytes(r)
+            self._finish_round(run, r, turns, transcripts, recovered)
+        return run
+
+    def run_collective(self, ratio: float) -> StrategyRun:
+        run = StrategyRun("collective")
+        run.extra = {"kv_bytes_master": 0, "kv_bytes_mirror_per_agent": 0.0}
+        identical = True
+        transcripts = self._start(run)
+        for r, turns in enumerate(self.rounds):
+            started = time.perf_counter()
+            if r == 0:
+                regions = [
+                    self._new_region(self._region_segments(t, x), x, len(x.token_ids))
+                    for t, x in zip(turns, transcripts, strict=True)
+                ]
+                recovered = recover(self.executor, regions, COMPUTE_ALL)
+                run.prefill_seconds += time.perf_counter() - started
+                self._finish_round(run, r, turns, transcripts, recovered)
+                continue
+            system = turns[0].prompt.segments[0]
+            common = transcripts[0].context()
+            common_len = len(system.token_ids)
+            common = DenseKV(
+                common.positions[:common_len],
+                [k[:common_len] for k in common.k],
+                [v[:common_len] for v in common.v],
+            )
+            outputs = [self._output_reuse(r - 1, author, turns[0]) for author in range(self.agents)]
+            siblings = [
+                Sibling(x.context(), self._reading_order(r, t), self._instruction(t))
+                for t, x in zip(turns, transcripts, strict=True)
+            ]
+            result = recover_round(
+                self.executor,
+                common,
+                outputs,
+                siblings,
+                self.cfg.recovery(ratio),
+                self.cfg.recovery(self.cfg.agent_ratio),
+                self.cfg.block_size,
+            )
+            run.prefill_seconds += time.perf_counter() - started
+            # Shared work is counted once; _finish_round adds the siblings'.
+            run.computed_tokens += result.shared.computed_tokens
+            run.fallbacks += int(result.shared.fell_back)
+            mirrors = [s.mirror for s in result.siblings]
+            mirror_bytes = sum(m.nbytes for m in mirrors)
+            run.kv_bytes_per_agent += (result.master.nbytes + mirror_bytes) / self.agents
+            run.extra["kv_bytes_master"] += result.master.nbytes
+            run.extra["kv_bytes_mirror_per_agent"] += mirror_bytes / self.agents
+            for sibling in result.siblings:
+                span = len(sibling.mirror.positions)
+                k, v = restore(result.master, sibling.mirror, self.executor.config)
+                identical &= kv_digest(k, v) == kv_digest(
+                    sibling.recovered.k[:, :span], sibling.recovered.v[:, :span]
+                )
+            self._finish_round(run, r, turns, transcripts, [s.recovered for s in result.siblings])
+        run.extra["restore_bit_identical"] = identical
+        return run
+
+    # --- pieces ---------------------------------------------------------------------------------
+
+    def _start(self, run: StrategyRun) -> list[_Transcript]:
+        """Every agent's transcript starts with the shared system prompt, computed once."""
+        system = self.rounds[0][0].prompt.segments[0]
+        started = time.perf_counter()
+        out = recover(self.executor, [self._new_region([system], None, 0)], COMPUTE_ALL)[0]
+        run.prefill_seconds += time.perf_counter() - started
+        run.computed_tokens += out.computed_tokens
+        return [_Transcript(system.token_ids, out.k, out.v) for _ in range(self.agents)]
+
+    def _region_segments(self, turn: AgentTurn, transcript: _Transcript) -> list[Segment]:
+        """The prompt's segments after the agent's transcript (its previous prompt minus ask)."""
+        p = len(transcript.token_ids)
+        if turn.prompt.token_ids[:p] != transcript.token_ids:
+            raise ValueError(
+                f"agent {turn.agent}'s round-{turn.round} prompt does not extend its transcript"
+            )
+        spans = turn.prompt.spans
+        first = next(i for i, span in enumerate(spans) if span.start == p)
+        return list(turn.prompt.segments[first:])
+
+    def _new_region(
+        self, segments: Sequence[Segment], transcript: _Transcript | None, start: int
+    ) -> RegionInput:
+        """A region with nothing reusable: computed in full."""
+        tokens = torch.tensor([t for s in segments for t in s.token_ids])
+        n = len(tokens)
+        blank = self._blank(n)
+        return RegionInput(
+            tokens,
+            torch.arange(start, start + n),
+            None if transcript is None else transcript.context(),
+            blank,
+            blank,
+            torch.zeros(n, dtype=torch.bool),
+            torch.zeros(n, dtype=torch.int64),
+        )
+
+    def _reuse_region(self, r: int, turn: AgentTurn, transcript: _Transcript) -> RegionInput:
+        """Per-request reuse: the round's outputs from their authors' KV, at the agent's offsets."""
+        segments = self._region_segments(turn, transcript)
+        start = len(transcript.token_ids)
+        ks, vs, reusable, segment_of = [], [], [], []
+        position = start
+        for index, segment in enumerate(segments):
+            n = len(segment.token_ids)
+            author = self._author(r, segment)
+            if author is None:
+                k = v = self._blank(n)
+                mask = torch.zeros(n, dtype=torch.bool)
+            else:
+                shared = self._output_reuse(r - 1, author, turn)
+                k, v = shared.stored.placed(torch.arange(position, position + n), self.config)
+                mask = shared.reusable
+            ks.append(k)
+            vs.append(v)
+            reusable.append(mask)
+            segment_of.append(torch.full((n,), index))
+            position += n
+        tokens = torch.tensor([t for s in segments for t in s.token_ids])
+        return RegionInput(
+            tokens,
+            torch.arange(start, position),
+            transcript.context(),
+            torch.cat(ks, dim=1),
+            torch.cat(vs, dim=1),
+            torch.cat(reusable),
+            torch.cat(segment_of),
+        )
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.executor.config
+
+    def _author(self, r: int, segment: Segment) -> int | None:
+        if r == 0:
+            return None
+        for author in range(self.agents):
+            if segment.segment_id == output_segment_id(r - 1, author):
+                return author
+        return None
+
+    def _output_reuse(self, r: int, author: int, reader: AgentTurn) -> SharedSegment:
+        """Round r's output of `author` as read in `reader`'s prompt: its stored (author-context)
+        KV on the generated tokens, nothing on the header and closing tokens."""
+        wanted = output_segment_id(r, author)
+        segment = next(s for s in reader.prompt.segments if s.segment_id == wanted)
+        body = self.rounds[r][author].output_ids
+        tokens = segment.token_ids
+        offset = next(
+            i for i in range(len(tokens) - len(body) + 1) if tokens[i : i + len(body)] == body
+        )
+        stored = self.index.get(body, AUTHOR)
+        if stored is None:
+            raise ValueError(f"no stored KV for the output of agent {author} in round {r}")
+        n = len(tokens)
+        k = self._blank(n)
+        v = self._blank(n)
+        body_k, body_v = stored.placed(torch.arange(offset, offset + len(body)), self.config)
+        k[:, offset : offset + len(body)] = body_k
+        v[:, offset : offset + len(body)] = body_v
+        reusable = torch.zeros(n, dtype=torch.bool)
+        reusable[offset : offset + len(body)] = True
+        return SharedSegment(torch.tensor(tokens), SegmentKV(k, v), reusable)
+
+    def _reading_order(self, r: int, turn: AgentTurn) -> list[int]:
+        order = [self._author(r, s) for s in turn.prompt.segments]
+        return [a for a in order if a is not None][-self.agents :]
+
+    def _instruction(self, turn: AgentTurn) -> torch.Tensor:
+        last = turn.prompt.segments[-1]
+        if last.role is not Role.INSTRUCTION:
+            raise ValueError(f"agent {turn.agent}'s round-{turn.round} prompt has no instruction")
+        return torch.tensor(last.token_ids)
+
+    def _blank(self, n: int) -> torch.Tensor:
+        c = self.config
+        return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
+
+    def _dense_output_bytes(self, r: int) -> int:
+        """A dense copy of round r's outputs in whole blocks (each output starts a block)."""
+        reader = self.rounds[r][0]
+        lengths = [
+            len(s.token_ids) for s in reader.prompt.segments if self._author(r, s) is not None
+        ][-self.agents :]
+        bs = self.cfg.block_size
+        return sum(-(-n // bs) for n in lengths) * self.block_bytes
+
+    def _store_outputs(
+        self, r: int, turns: Sequence[AgentTurn], recovered: list[Recovered]
+    ) -> None:
+        """Each output's KV computed after its author's prompt, as generation leaves it."""
+        batch = []
+        for turn, rec in zip(turns, recovered, strict=True):
+            n = len(turn.prompt.token_ids)
+            context = DenseKV(torch.arange(n), list(rec.k), list(rec.v))
+            positions = torch.arange(n, n + len(turn.output_ids))
+            batch.append(SequenceInput(torch.tensor(turn.output_ids), positions, context))
+        for turn, item, out in zip(turns, batch, self.executor.forward(batch), strict=True):
+            k, v = torch.stack(out.k), torch.stack(out.v)
+            stored = SegmentKV.canonical(k, v, item.positions, self.config)
+            self.index.put(turn.output_ids, AUTHOR, r, stored)
+
+    def _finish_round(
+        self,
+        run: StrategyRun,
+        r: int,
+        turns: Sequence[AgentTurn],
+        transcripts: Sequence[_Transcript | None],
+        recovered: Sequence[Recovered],
+    ) -> None:
+        """Count, take logits, decode greedily, and extend each transcript (not the instruction)."""
+        contexts = []
+        logits = []
+        for a, (turn, transcript, rec) in enumerate(
+            zip(turns, transcripts, recovered, strict=True)
+        ):
+            run.computed_tokens += rec.computed_tokens
+            run.fallbacks += int(rec.fell_back)
+            if rec.last_hidden is None:
+                raise AssertionError("the prompt's last token must be computed")
+            logits.append(self.executor.logits(rec.last_hidden[None])[0])
+            run.logits[(r, a)] = logits[-1]
+            if transcript is None:
+                k, v = rec.k, rec.v
+            else:
+                k = torch.cat((transcript.k, rec.k), dim=1)
+                v = torch.cat((transcript.v, rec.v), dim=1)
+                keep = len(turn.prompt.token_ids) - len(turn.prompt.segments[-1].token_ids)
+                transcript.token_ids = turn.prompt.token_ids[:keep]
+                transcript.k, transcript.v = k[:, :keep], v[:, :keep]
+            contexts.append(DenseKV(torch.arange(k.shape[1]), list(k), list(v)))
+        if r > 0:
+            greedy = greedy_decode(
+                self.executor, contexts, torch.stack(logits), self.cfg.greedy_tokens
+            )
+            for a, tokens in enumerate(greedy):
+                run.greedy[(r, a)] = tokens
+
+
+def greedy_decode(
+    executor: Executor, contexts: Sequence[DenseKV], logits: torch.Tensor, steps: int
+) -> list[list[int]]:
+    """`steps` greedy tokens per sequence, the first from `logits`, each later one computed
+    against the sequence's own context (no stop tokens: a fixed-length comparison)."""
+    tokens = [[int(t)] for t in logits.argmax(dim=-1)]
+    ks = [list(c.k) for c in contexts]
+    vs = [list(c.v) for c in contexts]
+    lengths = [len(c.positions) for c in contexts]
+    for step in range(steps - 1):
+        batch = [
+            SequenceInput(
+                torch.tensor([tokens[i][-1]]),
+                torch.tensor([lengths[i] + step]),
+                DenseKV(torch.arange(lengths[i] + step), ks[i], vs[i]),
+            )
+            for i in range(len(contexts))
+        ]
+        outputs = executor.forward(batch)
+        next_ids = executor.logits(torch.cat([o.hidden for o in outputs])).argmax(dim=-1)
+        for i, out in enumerate(outputs):
+            tokens[i].append(int(next_ids[i]))
+            ks[i] = [torch.cat((k, new)) for k, new in zip(ks[i], out.k, strict=True)]
+            vs[i] = [torch.cat((v, new)) for v, new in zip(vs[i], out.v, strict=True)]
+    return tokens
+
+
+def hardware() -> str:
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, torch {torch.__version__}, fp32"
+    )
+
+
+def _summary(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
+    keys = sorted(run.greedy)
+    quality = Quality.measure(
+        torch.stack([reference.logits[k] for k in keys]),
+        torch.stack([run.logits[k] for k in keys]),
+        [reference.greedy[k] for k in keys],
+        [run.greedy[k] for k in keys],
+    )
+    return {
+        "computed_tokens": round(run.computed_tokens, 2),
+        "prefill_seconds": round(run.prefill_seconds, 3),
+        "kv_bytes_per_agent": round(run.kv_bytes_per_agent),
+        "fallbacks": run.fallbacks,
+        "quality": quality.as_dict(),
+        **run.extra,
+    }
+
+
+class AllGatherBench:
+    """The reference run (and the outputs' stored KV) once; strategies and sweeps against it."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        fingerprint: str,
+        turns: Sequence[AgentTurn],
+        cfg: AllGatherBenchConfig,
+        progress: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        self._bench = _Bench(executor, fingerprint, turns, cfg, progress)
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        progress("full (reference)")
+        self.reference = self._bench.run_full()
+        self.reference.kv_bytes_per_agent = sum(
+            self._bench._dense_output_bytes(r) for r in range(1, len(self._bench.rounds))
+        )
+
+    @property
+    def agents(self) -> int:
+        return self._bench.agents
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(t.prompt.token_ids) for turns in self._bench.rounds for t in turns)
+
+    def run(self, name: str, ratio: float | None = None) -> StrategyRun:
+        ratio = self.cfg.recompute_ratio if ratio is None else ratio
+        self._bench.progress(name)
+        if name == "full":
+            return self.reference
+        if name == "prefix":
+            run = self._bench.run_prefix()
+            run.kv_bytes_per_agent = self.reference.kv_bytes_per_agent
+            return run
+        if name == "per_request":
+            return self._bench.run_per_request(ratio)
+        if name == "collective":
+            return self._bench.run_collective(ratio)
+        raise ValueError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
+
+    def summary(self, run: StrategyRun) -> dict[str, Any]:
+        return _summary(run, self.reference)
+
+    def report(self) -> dict[str, Any]:
+        runs = {name: self.summary(self.run(name)) for name in STRATEGIES}
+        per_request, collective = runs["per_request"], runs["collective"]
+        dense = runs["full"]["kv_bytes_per_agent"]
+        return {
+            "hardware": hardware(),
+            "note": (
+                "CPU figures are functional/trend results, not comparable to the papers' GPU "
+                "numbers"
+            ),
+            "config": self.config_dict(),
+            "strategies": runs,
+            "comparison": {
+                "computed_collective_over_per_request": _ratio(
+                    collective["computed_tokens"], per_request["computed_tokens"]
+                ),
+                "seconds_collective_over_per_request": _ratio(
+                    collective["prefill_seconds"], per_request["prefill_seconds"]
+                ),
+                "kv_dense_over_collective": _ratio(dense, collective["kv_bytes_per_agent"]),
+                "kv_dense_over_mirror": _ratio(dense, collective["kv_bytes_mirror_per_agent"]),
+            },
+        }
+
+    def sweep(self, policies: Sequence[str], ratios: Sequence[float]) -> list[dict[str, Any]]:
+        rows = []
+        base = self.cfg
+        for policy in policies:
+            self.cfg = AllGatherBenchConfig(
+                policy,
+                base.recompute_ratio,
+                base.agent_ratio,
+                base.check_layer,
+                base.gate,
+                base.block_size,
+                base.greedy_tokens,
+            )
+            self._bench.cfg = self.cfg
+            for ratio in ratios:
+                for name in ("per_request", "collective"):
+                    row = self.summary(self.run(name, ratio))
+                    rows.append(
+                        {
+                            "policy": policy,
+                            "ratio": ratio,
+                            "strategy": name,
+                            "computed_tokens": row["computed_tokens"],
+                            "prefill_seconds": row["prefill_seconds"],
+                            "quality": row["quality"],
+                        }
+                    )
+        self.cfg = self._bench.cfg = base
+        return rows
+
+    def config_dict(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "agents": self.agents,
+            "rounds": len(self._bench.rounds),
+            "policy": cfg.policy,
+            "recompute_ratio": cfg.recompute_ratio,
+            "agent_ratio": cfg.agent_ratio,
+            "check_layer": cfg.check_layer,
+            "gate": cfg.gate,
+            "block_size": cfg.block_size,
+            "greedy_tokens": cfg.greedy_tokens,
+            "model": self.fingerprint,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
