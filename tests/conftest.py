@@ -42,3 +42,41 @@ def run_kmesh(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str
     return subprocess.run(
         [sys.executable, "-m", "kmesh.cli", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def synthetic_allgather_turns(agents: int = 3, rounds: int = 3, order: str = "shuffle"):
+    """An All-Gather trace in the shape workloads/allgather.py writes, from random token ids in
+    the tiny model's vocabulary (no tokenizer, no generation): system, persona, outputs of earlier
+    rounds (header + the author's output ids + a closing token), instruction."""
+    from kmesh.state.segments import Role, Segment, SegmentedPrompt
+    from kmesh.workloads.allgather import (
+        AgentTurn,
+        AllGatherConfig,
+        order_for,
+        output_segment_id,
+    )
+
+    cfg = AllGatherConfig(agents, rounds, order)
+    system = Segment(tuple(random_tokens(12, seed=100)), Role.SHARED, "system")
+    personas = [
+        Segment(tuple(random_tokens(5 + 3 * a, seed=200 + a)), Role.PRIVATE, f"persona-{a}")
+        for a in range(agents)
+    ]
+    history: list[list[Segment]] = []
+    turns = []
+    for r in range(rounds):
+        outputs = []
+        for a in range(agents):
+            segments = [system, personas[a]]
+            for past, said in enumerate(history):
+                segments += [said[author] for author in order_for(cfg, past, a)]
+            ask = tuple(random_tokens(4, seed=300 + 10 * r + a))
+            segments.append(Segment(ask, Role.INSTRUCTION, f"ask-{r}-{a}"))
+            body = tuple(random_tokens(9 + a, seed=400 + 10 * r + a))
+            turns.append(AgentTurn(r, a, SegmentedPrompt.of(segments), body, ""))
+            header = (250, 251, 3 + a)
+            outputs.append(
+                Segment((*header, *body, 252), Role.SHARED, output_segment_id(r, a))
+            )
+        history.append(outputs)
+    return turns

@@ -70,13 +70,29 @@ class AllGatherBenchConfig:
 @dataclass(slots=True)
 class StrategyRun:
     name: str
-    computed_tokens: float = 0.0
-    prefill_seconds: float = 0.0
+    # Per round: computed tokens (token-layers / layers) and prefill seconds.
+    computed: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
     kv_bytes_per_agent: float = 0.0
     fallbacks: int = 0
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     greedy: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, r: int, computed: float = 0.0, seconds: float = 0.0) -> None:
+        while len(self.computed) <= r:
+            self.computed.append(0.0)
+            self.seconds.append(0.0)
+        self.computed[r] += computed
+        self.seconds[r] += seconds
+
+    @property
+    def computed_tokens(self) -> float:
+        return sum(self.computed)
+
+    @property
+    def prefill_seconds(self) -> float:
+        return sum(self.seconds)
 
 
 @dataclass(slots=True)
@@ -127,7 +143,7 @@ class _Bench:
             regions = [self._new_region(t.prompt.segments, None, 0) for t in turns]
             started = time.perf_counter()
             recovered = recover(self.executor, regions, COMPUTE_ALL)
-            run.prefill_seconds += time.perf_counter() - started
+            run.add(r, seconds=time.perf_counter() - started)
             self._finish_round(run, r, turns, [None] * len(turns), recovered)
             self._store_outputs(r, turns, recovered)
         return run
@@ -142,7 +158,7 @@ class _Bench:
             ]
             started = time.perf_counter()
             recovered = recover(self.executor, regions, COMPUTE_ALL)
-            run.prefill_seconds += time.perf_counter() - started
+            run.add(r, seconds=time.perf_counter() - started)
             self._finish_round(run, r, turns, transcripts, recovered)
         return run
 
@@ -153,7 +169,7 @@ class _Bench:
             started = time.perf_counter()
             regions = [self._reuse_region(r, t, x) for t, x in zip(turns, transcripts, strict=True)]
             recovered = recover(self.executor, regions, self.cfg.recovery(ratio))
-            run.prefill_seconds += time.perf_counter() - started
+            run.add(r, seconds=time.perf_counter() - started)
             if r > 0:
                 run.kv_bytes_per_agent += self._dense_output_bytes(r)
             self._finish_round(run, r, turns, transcripts, recovered)
@@ -164,6 +180,9 @@ class _Bench:
         run.extra = {"kv_bytes_master": 0, "kv_bytes_mirror_per_agent": 0.0}
         identical = True
         transcripts = self._start(run)
+        # The round's common context: the system prompt, then every earlier round's master in
+        # canonical order (what all agents share, without anyone's private history).
+        common = _Transcript(transcripts[0].token_ids, transcripts[0].k, transcripts[0].v)
         for r, turns in enumerate(self.rounds):
             started = time.perf_counter()
             if r == 0:
@@ -172,17 +191,9 @@ class _Bench:
                     for t, x in zip(turns, transcripts, strict=True)
                 ]
                 recovered = recover(self.executor, regions, COMPUTE_ALL)
-                run.prefill_seconds += time.perf_counter() - started
+                run.add(r, seconds=time.perf_counter() - started)
                 self._finish_round(run, r, turns, transcripts, recovered)
                 continue
-            system = turns[0].prompt.segments[0]
-            common = transcripts[0].context()
-            common_len = len(system.token_ids)
-            common = DenseKV(
-                common.positions[:common_len],
-                [k[:common_len] for k in common.k],
-                [v[:common_len] for v in common.v],
-            )
             outputs = [self._output_reuse(r - 1, author, turns[0]) for author in range(self.agents)]
             siblings = [
                 Sibling(x.context(), self._reading_order(r, t), self._instruction(t))
@@ -190,16 +201,19 @@ class _Bench:
             ]
             result = recover_round(
                 self.executor,
-                common,
+                common.context(),
                 outputs,
                 siblings,
                 self.cfg.recovery(ratio),
                 self.cfg.recovery(self.cfg.agent_ratio),
                 self.cfg.block_size,
             )
-            run.prefill_seconds += time.perf_counter() - started
+            common.token_ids += tuple(t for o in outputs for t in o.token_ids.tolist())
+            common.k = torch.cat((common.k, result.shared.k), dim=1)
+            common.v = torch.cat((common.v, result.shared.v), dim=1)
+            run.add(r, seconds=time.perf_counter() - started)
             # Shared work is counted once; _finish_round adds the siblings'.
-            run.computed_tokens += result.shared.computed_tokens
+            run.add(r, computed=result.shared.computed_tokens)
             run.fallbacks += int(result.shared.fell_back)
             mirrors = [s.mirror for s in result.siblings]
             mirror_bytes = sum(m.nbytes for m in mirrors)
@@ -223,8 +237,7 @@ class _Bench:
         system = self.rounds[0][0].prompt.segments[0]
         started = time.perf_counter()
         out = recover(self.executor, [self._new_region([system], None, 0)], COMPUTE_ALL)[0]
-        run.prefill_seconds += time.perf_counter() - started
-        run.computed_tokens += out.computed_tokens
+        run.add(0, out.computed_tokens, time.perf_counter() - started)
         return [_Transcript(system.token_ids, out.k, out.v) for _ in range(self.agents)]
 
     def _region_segments(self, turn: AgentTurn, transcript: _Transcript) -> list[Segment]:
@@ -374,7 +387,7 @@ class _Bench:
         for a, (turn, transcript, rec) in enumerate(
             zip(turns, transcripts, recovered, strict=True)
         ):
-            run.computed_tokens += rec.computed_tokens
+            run.add(r, computed=rec.computed_tokens)
             run.fallbacks += int(rec.fell_back)
             if rec.last_hidden is None:
                 raise AssertionError("the prompt's last token must be computed")
@@ -441,6 +454,13 @@ def _summary(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
     return {
         "computed_tokens": round(run.computed_tokens, 2),
         "prefill_seconds": round(run.prefill_seconds, 3),
+        # Rounds >= 1, where the prompts hold the outputs: the work reuse can save.
+        "computed_tokens_reuse_rounds": round(sum(run.computed[1:]), 2),
+        "prefill_seconds_reuse_rounds": round(sum(run.seconds[1:]), 3),
+        "per_round": [
+            {"computed_tokens": round(c, 2), "prefill_seconds": round(t, 3)}
+            for c, t in zip(run.computed, run.seconds, strict=True)
+        ],
         "kv_bytes_per_agent": round(run.kv_bytes_per_agent),
         "fallbacks": run.fallbacks,
         "quality": quality.as_dict(),

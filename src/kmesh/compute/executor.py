@@ -65,8 +65,7 @@ class SequenceOutput:
     hidden: torch.Tensor  # [n, hidden], after the final norm: feed to Executor.logits
     k: list[torch.Tensor]  # per layer run [n, kv_heads, head_dim], after RoPE
     v: list[torch.Tensor]  # per layer run [n, kv_heads, head_dim]
-    # Set by a run that stopped before the last layer: the input of the next layer.
-    residual: torch.Tensor | None = None
+    residual: torch.Tensor  # [n, hidden], the residual stream after the last layer run
 
     def as_context(self, positions: torch.Tensor) -> DenseKV:
         """This output's KV as context for later tokens."""
@@ -96,8 +95,8 @@ class Executor:
     ) -> list[SequenceOutput]:
         """Run the batch through `layers` (default: all). A partial run starts from `residual`
         (the per-sequence `residual` of an earlier run that ended where this one starts) instead
-        of the embeddings; an output's k/v lists then hold `layers` only, and its `residual` is
-        set when the run stops before the last layer (`hidden` is final-normed only after it)."""
+        of the embeddings; an output's k/v lists then hold `layers` only. `hidden` is the final
+        norm of the residual stream: meaningful (for logits) only after the last layer."""
         cfg = self.config
         layers = range(cfg.num_layers) if layers is None else layers
         lengths = [len(item.token_ids) for item in batch]
@@ -143,14 +142,12 @@ class Executor:
                 F.silu(F.linear(h, layer.gate_proj)) * F.linear(h, layer.up_proj),
                 layer.down_proj,
             )
-        if layers.stop < cfg.num_layers:
-            parts = x.split(lengths)
-            return [
-                SequenceOutput(parts[seq], new_k[seq], new_v[seq], residual=parts[seq])
-                for seq in range(len(batch))
-            ]
+        residuals = x.split(lengths)
         hidden = self._rms_norm(x, self.weights.final_norm).split(lengths)
-        return [SequenceOutput(hidden[seq], new_k[seq], new_v[seq]) for seq in range(len(batch))]
+        return [
+            SequenceOutput(hidden[seq], new_k[seq], new_v[seq], residuals[seq])
+            for seq in range(len(batch))
+        ]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

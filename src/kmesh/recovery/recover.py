@@ -81,10 +81,9 @@ def recover(
     layers = executor.config.num_layers
     if cfg.check_layer >= layers:
         raise ValueError(f"check layer {cfg.check_layer} is not below the {layers} layers")
-    checked = [
-        bool(r.reusable.any()) and (needs_check_layer(cfg.policy) or cfg.gate is not None)
-        for r in regions
-    ]
+    # The check layer is paid only if it is used: to choose (kv_deviation, a budget > 0) or to gate.
+    scoring = needs_check_layer(cfg.policy) and cfg.ratio > 0
+    checked = [bool(r.reusable.any()) and (scoring or cfg.gate is not None) for r in regions]
     check_range = range(cfg.check_layer + 1)
     first = _run(
         executor,
@@ -117,7 +116,6 @@ def recover(
         )
         out = early[i]
         if out is not None:
-            assert out.residual is not None
             residuals[i] = out.residual[compute]
     resumed = [i for i in inputs if i in residuals]
     fresh = [i for i in inputs if i not in residuals]

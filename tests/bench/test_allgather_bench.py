@@ -1,0 +1,87 @@
+"""The All-Gather benchmark's plumbing on the tiny model and a synthetic trace."""
+
+import pytest
+import torch
+
+from kmesh.bench.allgather import STRATEGIES, AllGatherBench, AllGatherBenchConfig
+from tests.conftest import synthetic_allgather_turns
+
+EXACT_KL = 1e-6  # fp32 with different reduction orders; a real difference is > 1e-3 here
+
+
+@pytest.fixture(scope="module")
+def turns():
+    return synthetic_allgather_turns(agents=3, rounds=3)
+
+
+def _report(tiny, turns, **options):
+    executor, fingerprint = tiny
+    cfg = AllGatherBenchConfig(block_size=4, greedy_tokens=6, **options)
+    return AllGatherBench(executor, fingerprint, turns, cfg).report()
+
+
+def test_policy_full_reproduces_full_prefill(tiny, turns):
+    report = _report(tiny, turns, policy="full", agent_ratio=1.0)
+    assert list(report["strategies"]) == list(STRATEGIES)
+    for name in STRATEGIES:
+        quality = report["strategies"][name]["quality"]
+        assert quality["kl_mean"] < EXACT_KL, name
+        assert quality["top1_agreement"] == 1.0 and quality["greedy_match_32"] == 1.0, name
+        assert quality["samples"] == 6  # 3 agents x rounds 1 and 2
+    assert report["strategies"]["collective"]["restore_bit_identical"]
+
+
+def test_reuse_without_recovery_is_visible_and_cheaper(tiny, turns):
+    report = _report(tiny, turns, policy="none", recompute_ratio=0.0)
+    runs = report["strategies"]
+    assert runs["prefix"]["quality"]["kl_mean"] < EXACT_KL
+    assert runs["per_request"]["quality"]["kl_mean"] > 1e-3
+    computed = {name: runs[name]["computed_tokens"] for name in STRATEGIES}
+    assert computed["full"] > computed["prefix"] > computed["per_request"]
+    assert computed["collective"] < computed["per_request"]
+    assert runs["collective"]["restore_bit_identical"]
+    assert runs["collective"]["kv_bytes_per_agent"] < runs["per_request"]["kv_bytes_per_agent"]
+
+
+def test_the_quality_gate_sends_every_reused_region_to_full_recomputation(tiny, turns):
+    report = _report(tiny, turns, policy="none", recompute_ratio=0.0, gate=0.0)
+    runs = report["strategies"]
+    # rounds 1 and 2: 3 agents each; collective also gates its shared step once per round.
+    assert runs["per_request"]["fallbacks"] == 6
+    assert runs["collective"]["fallbacks"] == 6 + 2
+    for name in ("per_request", "collective"):
+        assert runs[name]["quality"]["kl_mean"] < EXACT_KL, name
+
+
+def test_accounting_in_token_layers(tiny, turns):
+    report = _report(tiny, turns, policy="kv_deviation", recompute_ratio=0.5, agent_ratio=0.5)
+    runs = report["strategies"]
+    prompt_tokens = sum(len(t.prompt.token_ids) for t in turns)
+    assert runs["full"]["computed_tokens"] == prompt_tokens
+    for name in STRATEGIES:
+        rounds = runs[name]["per_round"]
+        assert len(rounds) == 3
+        total = sum(r["computed_tokens"] for r in rounds)
+        assert total == pytest.approx(runs[name]["computed_tokens"], abs=0.05)
+
+
+def test_a_trace_that_is_not_all_gather_is_refused(tiny, turns):
+    executor, fingerprint = tiny
+    with pytest.raises(ValueError, match="one turn per agent"):
+        AllGatherBench(executor, fingerprint, turns[:-1], AllGatherBenchConfig())
+
+
+def test_greedy_decode_matches_engine_style_decoding(tiny):
+    from kmesh.bench.allgather import greedy_decode
+    from kmesh.compute.executor import DenseKV, SequenceInput
+
+    executor, _ = tiny
+    tokens = torch.tensor([5, 9, 17, 33, 2, 8])
+    out = executor.forward([SequenceInput(tokens, torch.arange(6))])[0]
+    context = DenseKV(torch.arange(6), out.k, out.v)
+    got = greedy_decode(executor, [context], executor.logits(out.hidden[-1:]), 4)[0]
+    ids = tokens.tolist()
+    for _ in range(4):  # recompute the whole sequence for every token
+        o = executor.forward([SequenceInput(torch.tensor(ids), torch.arange(len(ids)))])[0]
+        ids.append(int(executor.logits(o.hidden[-1:]).argmax()))
+    assert got == ids[6:]

@@ -1,0 +1,138 @@
+"""Recovery on the tiny model, against full recomputation of the same prompt.
+
+Tolerance 1e-4 as in tests/compute/test_executor_tiny.py: same fp32 math, different reduction
+order (~1e-6 observed); a wrong mask, position or KV entry moves values by ~1e-1 here.
+"""
+
+import pytest
+import torch
+
+from kmesh.compute.executor import DenseKV, Executor, SequenceInput
+from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
+from tests.conftest import random_tokens
+
+ATOL = 1e-4
+PREFIX, REGION = 12, 30
+
+
+def _full(executor: Executor, tokens: list[int]):
+    out = executor.forward([SequenceInput(torch.tensor(tokens), torch.arange(len(tokens)))])[0]
+    return torch.stack(out.k), torch.stack(out.v), executor.logits(out.hidden[-1:])[0]
+
+
+def _region(executor: Executor, tokens: list[int], reused: str, block: bool = False, keep=False):
+    """The last REGION tokens as a region after an exact PREFIX; tokens 2..25 reusable with the
+    exact KV (reused="exact") or garbage (reused="garbage"); the rest are new."""
+    k, v, _ = _full(executor, tokens)
+    prefix = DenseKV(torch.arange(PREFIX), list(k[:, :PREFIX]), list(v[:, :PREFIX]))
+    reused_k, reused_v = k[:, PREFIX:].clone(), v[:, PREFIX:].clone()
+    if reused == "garbage":
+        gen = torch.Generator().manual_seed(3)
+        reused_k = torch.randn(reused_k.shape, generator=gen)
+        reused_v = torch.randn(reused_v.shape, generator=gen)
+    reusable = torch.zeros(REGION, dtype=torch.bool)
+    reusable[2:26] = True
+    segment = torch.tensor([0] * 14 + [1] * 16)
+    return RegionInput(
+        torch.tensor(tokens[PREFIX:]),
+        torch.arange(PREFIX, PREFIX + REGION),
+        prefix,
+        reused_k,
+        reused_v,
+        reusable,
+        segment,
+        torch.arange(REGION) // 4 if block else None,
+        keep_reused_outside_selection=keep,
+    )
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "kv_deviation", "first_k", "random"])
+@pytest.mark.parametrize("ratio", [0.0, 0.3])
+def test_with_exact_reused_kv_every_policy_reproduces_full_prefill(tiny, policy, ratio):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=1)
+    k, v, logits = _full(executor, tokens)
+    out = recover(executor, [_region(executor, tokens, "exact")], RecoveryConfig(policy, ratio))[0]
+    torch.testing.assert_close(out.k, k[:, PREFIX:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.v, v[:, PREFIX:], atol=ATOL, rtol=0)
+    assert out.last_hidden is not None
+    torch.testing.assert_close(executor.logits(out.last_hidden[None])[0], logits, atol=ATOL, rtol=0)
+
+
+def test_full_policy_repairs_garbage_and_none_does_not(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=2)
+    _, _, logits = _full(executor, tokens)
+    region = _region(executor, tokens, "garbage")
+    full, none = (recover(executor, [region], RecoveryConfig(p, 0.0))[0] for p in ("full", "none"))
+    assert full.last_hidden is not None and none.last_hidden is not None
+    torch.testing.assert_close(executor.logits(full.last_hidden[None])[0], logits, atol=ATOL, rtol=0)
+    assert (executor.logits(none.last_hidden[None])[0] - logits).abs().max() > 1e-2
+    assert full.computed_tokens == REGION
+    assert none.computed_tokens == REGION - 24  # only the new tokens
+    assert len(full.recomputed) == 24 and len(none.recomputed) == 0
+
+
+def test_kv_deviation_cost_and_choice(tiny):
+    executor, _ = tiny
+    layers = executor.config.num_layers  # 2: check layer 1 is the last one
+    tokens = random_tokens(PREFIX + REGION, seed=3)
+    out = recover(
+        executor, [_region(executor, tokens, "garbage")], RecoveryConfig("kv_deviation", 0.25)
+    )[0]
+    chosen = len(out.recomputed)
+    assert chosen == round(0.25 * 24)
+    later = layers - 2
+    assert out.computed_tokens == pytest.approx(REGION * 2 / layers + (chosen + 6) * later / layers)
+    assert out.deviation is not None and out.deviation > 0.5  # garbage deviates
+
+
+def test_the_quality_gate_falls_back_to_full_recomputation(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=4)
+    k, _, logits = _full(executor, tokens)
+    gated = RecoveryConfig("first_k", 0.1, gate=0.5)
+    bad = recover(executor, [_region(executor, tokens, "garbage")], gated)[0]
+    assert bad.fell_back and len(bad.recomputed) == 24
+    assert bad.last_hidden is not None
+    torch.testing.assert_close(executor.logits(bad.last_hidden[None])[0], logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(bad.k, k[:, PREFIX:], atol=ATOL, rtol=0)
+    good = recover(executor, [_region(executor, tokens, "exact")], gated)[0]
+    assert not good.fell_back and good.deviation is not None and good.deviation < 1e-3
+    assert len(good.recomputed) == round(0.1 * 24)
+
+
+def test_block_granularity_recomputes_whole_blocks_and_keeps_the_rest(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=5)
+    region = _region(executor, tokens, "garbage", block=True, keep=True)
+    out = recover(executor, [region], RecoveryConfig("kv_deviation", 0.3))[0]
+    blocks = torch.unique(torch.arange(REGION)[out.recomputed] // 4)
+    assert region.block is not None
+    in_blocks = torch.isin(region.block, blocks) & region.reusable
+    assert torch.equal(out.recomputed, torch.nonzero(in_blocks)[:, 0])
+    untouched = region.reusable & ~in_blocks
+    assert torch.equal(out.k[:, untouched], region.reused_k[:, untouched])
+    assert torch.equal(out.v[:, untouched], region.reused_v[:, untouched])
+
+
+def test_a_batch_equals_each_region_alone(tiny):
+    executor, _ = tiny
+    regions = [
+        _region(executor, random_tokens(PREFIX + REGION, seed=s), "garbage") for s in (6, 7)
+    ]
+    cfg = RecoveryConfig("kv_deviation", 0.2)
+    together = recover(executor, regions, cfg)
+    for region, out in zip(regions, together, strict=True):
+        alone = recover(executor, [region], cfg)[0]
+        assert torch.equal(alone.recomputed, out.recomputed)
+        torch.testing.assert_close(alone.k, out.k, atol=ATOL, rtol=0)
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="check layer"):
+        RecoveryConfig("kv_deviation", 0.1, check_layer=0)
+    with pytest.raises(ValueError, match="ratio"):
+        RecoveryConfig("first_k", 1.5)
+    with pytest.raises(ValueError, match="unknown recovery policy"):
+        RecoveryConfig("magic", 0.1)
