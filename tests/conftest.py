@@ -75,8 +75,6 @@ def synthetic_allgather_turns(agents: int = 3, rounds: int = 3, order: str = "sh
             body = tuple(random_tokens(9 + a, seed=400 + 10 * r + a))
             turns.append(AgentTurn(r, a, SegmentedPrompt.of(segments), body, ""))
             header = (250, 251, 3 + a)
-            outputs.append(
-                Segment((*header, *body, 252), Role.SHARED, output_segment_id(r, a))
-            )
+            outputs.append(Segment((*header, *body, 252), Role.SHARED, output_segment_id(r, a)))
         history.append(outputs)
     return turns

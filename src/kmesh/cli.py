@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from kmesh.errors import InvalidRequestError, KMeshError
@@ -119,6 +119,83 @@ def _workload_allgather(args: argparse.Namespace) -> None:
     )
 
 
+def _bench_allgather(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.allgather import AllGatherBenchConfig, run_allgather_bench
+    from kmesh.bench.allgather_report import print_table, write_report
+    from kmesh.compute.loader import load_model
+    from kmesh.engine.engine import Engine
+    from kmesh.workloads.allgather import AllGatherConfig, generate_trace, load_trace
+
+    options = ("policy", "recompute_ratio", "agent_ratio", "check_layer", "gate")
+    cfg = AllGatherBenchConfig(
+        **{name: getattr(args, name) for name in options if getattr(args, name) is not None}
+    )
+    scale = _agent_counts(args.scale)
+    workload = None
+    if args.trace is not None:
+        given = [f"--{n}" for n in ("agents", "rounds", "order") if getattr(args, n) is not None]
+        if given:
+            raise InvalidRequestError(
+                f"{', '.join(given)} cannot be combined with --trace: the trace fixes the workload"
+            )
+        workload, trace_model, turns = load_trace(Path(args.trace))
+    else:
+        workload = AllGatherConfig(
+            args.agents or 8, args.rounds or 3, args.order or "shuffle", args.seed
+        )
+    console = Console(stderr=True)
+    model = load_model(args.model)
+    engine = Engine(model.executor, model.fingerprint)
+    if args.trace is not None:
+        if trace_model != model.fingerprint:
+            raise InvalidRequestError(
+                f"trace {args.trace!r} was generated with another model (fingerprint "
+                f"{trace_model[:12]}, this model is {model.fingerprint[:12]}); regenerate it with "
+                "`kmesh workload allgather`"
+            )
+    else:
+        console.log(f"generating the workload: {workload.agents} agents, {workload.rounds} rounds")
+        turns = generate_trace(workload, engine, model.tokenizer, progress=console.log)
+    others = []
+    for agents in scale:
+        if agents == workload.agents:
+            others.append(turns)
+            continue
+        console.log(f"generating the workload for --scale: {agents} agents")
+        other = replace(workload, agents=agents)
+        others.append(generate_trace(other, engine, model.tokenizer, progress=console.log))
+    report = run_allgather_bench(
+        model.executor,
+        model.fingerprint,
+        turns,
+        cfg,
+        workload,
+        args.sweep,
+        others,
+        progress=console.log,
+    )
+    print_table(report, Console())
+    write_json(args.json, report)
+    if args.report is not None:
+        print(f"wrote {write_report(report, Path(args.report))}")
+
+
+def _agent_counts(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidRequestError(
+            f"--scale takes agent counts separated by commas, like 4,8,16; got {text!r}"
+        ) from None
+    if any(n < 2 for n in counts):
+        raise InvalidRequestError("--scale agent counts must be at least 2")
+    return counts
+
+
 def write_json(path: str, report: dict[str, object]) -> None:
     """Write a benchmark report, creating its folder."""
     target = Path(path)
@@ -152,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_model_info)
 
-    demo = commands.add_parser("demo", help="generation plus an exact prefix-sharing showcase")
+    demo = commands.add_parser(
+        "demo", help="a generation, then a small All-Gather benchmark (4 agents, 2 rounds)"
+    )
     demo.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     demo.set_defaults(func=_demo)
 
@@ -192,6 +271,50 @@ def build_parser() -> argparse.ArgumentParser:
     fork.add_argument("--json", required=True, help="where to write the report")
     fork.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     fork.set_defaults(func=_bench_fork)
+
+    gather = benches.add_parser(
+        "allgather",
+        help="All-Gather rounds: full vs prefix vs per-request vs collective recovery",
+    )
+    gather.add_argument("--trace", default=None, help="replay a `kmesh workload allgather` trace")
+    gather.add_argument("--agents", type=int, default=None, help="without --trace (default 8)")
+    gather.add_argument("--rounds", type=int, default=None, help="without --trace (default 3)")
+    gather.add_argument(
+        "--order", choices=["same", "rotate", "shuffle"], default=None, help="default shuffle"
+    )
+    gather.add_argument("--seed", type=int, default=0, help="workload seed (without --trace)")
+    gather.add_argument(
+        "--policy",
+        default=None,
+        help="recovery policy: none, full, kv_deviation, first_k or random (default kv_deviation)",
+    )
+    gather.add_argument(
+        "--recompute-ratio",
+        type=float,
+        default=None,
+        help="share of reused tokens recomputed: per request, or once per round for collective",
+    )
+    gather.add_argument(
+        "--agent-ratio",
+        type=float,
+        default=None,
+        help="collective: share of each agent's blocks recomputed in its own context",
+    )
+    gather.add_argument("--check-layer", type=int, default=None, help="kv_deviation's (default 1)")
+    gather.add_argument(
+        "--gate",
+        type=float,
+        default=None,
+        help="quality gate: mean relative key deviation above which a region is fully recomputed",
+    )
+    gather.add_argument(
+        "--sweep", action="store_true", help="also measure quality vs ratio for every policy"
+    )
+    gather.add_argument("--scale", default=None, help="also run these agent counts, e.g. 4,8,16")
+    gather.add_argument("--json", required=True, help="where to write the report")
+    gather.add_argument("--report", default=None, help="folder for report.md and plots")
+    gather.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    gather.set_defaults(func=_bench_allgather)
     return parser
 
 

@@ -66,7 +66,9 @@ def test_full_policy_repairs_garbage_and_none_does_not(tiny):
     region = _region(executor, tokens, "garbage")
     full, none = (recover(executor, [region], RecoveryConfig(p, 0.0))[0] for p in ("full", "none"))
     assert full.last_hidden is not None and none.last_hidden is not None
-    torch.testing.assert_close(executor.logits(full.last_hidden[None])[0], logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        executor.logits(full.last_hidden[None])[0], logits, atol=ATOL, rtol=0
+    )
     assert (executor.logits(none.last_hidden[None])[0] - logits).abs().max() > 1e-2
     assert full.computed_tokens == REGION
     assert none.computed_tokens == REGION - 24  # only the new tokens
@@ -118,9 +120,7 @@ def test_block_granularity_recomputes_whole_blocks_and_keeps_the_rest(tiny):
 
 def test_a_batch_equals_each_region_alone(tiny):
     executor, _ = tiny
-    regions = [
-        _region(executor, random_tokens(PREFIX + REGION, seed=s), "garbage") for s in (6, 7)
-    ]
+    regions = [_region(executor, random_tokens(PREFIX + REGION, seed=s), "garbage") for s in (6, 7)]
     cfg = RecoveryConfig("kv_deviation", 0.2)
     together = recover(executor, regions, cfg)
     for region, out in zip(regions, together, strict=True):

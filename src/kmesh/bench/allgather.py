@@ -31,7 +31,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,14 +39,16 @@ import torch
 from kmesh.bench.quality import Quality
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
+from kmesh.errors import InvalidRequestError
 from kmesh.index.segment_index import SegmentIndex
 from kmesh.kv.master_mirror import kv_digest, restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.collective import SharedSegment, Sibling, recover_round
+from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
 from kmesh.state.segments import Role, Segment
-from kmesh.workloads.allgather import AgentTurn, output_segment_id
+from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, output_segment_id
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 AUTHOR = "author"  # segment-index context of an output's KV computed after its author's prompt
@@ -62,6 +64,24 @@ class AllGatherBenchConfig:
     gate: float | None = None
     block_size: int = 16
     greedy_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        for flag, value in (
+            ("--recompute-ratio", self.recompute_ratio),
+            ("--agent-ratio", self.agent_ratio),
+        ):
+            if not 0.0 <= value <= 1.0:
+                raise InvalidRequestError(f"{flag} must be between 0 and 1, got {value}")
+        if self.check_layer < 1:
+            raise InvalidRequestError(
+                "--check-layer must be at least 1 (layer 0 keys depend on token and position only)"
+            )
+        if self.gate is not None and self.gate < 0:
+            raise InvalidRequestError(f"--gate must be >= 0, got {self.gate}")
+        if self.block_size < 1 or self.greedy_tokens < 1:
+            raise InvalidRequestError("block size and greedy tokens must be at least 1")
 
     def recovery(self, ratio: float) -> RecoveryConfig:
         return RecoveryConfig(self.policy, ratio, self.check_layer, self.gate)
@@ -539,19 +559,11 @@ class AllGatherBench:
         }
 
     def sweep(self, policies: Sequence[str], ratios: Sequence[float]) -> list[dict[str, Any]]:
+        """Quality and compute of per_request and collective for each policy and ratio."""
         rows = []
         base = self.cfg
         for policy in policies:
-            self.cfg = AllGatherBenchConfig(
-                policy,
-                base.recompute_ratio,
-                base.agent_ratio,
-                base.check_layer,
-                base.gate,
-                base.block_size,
-                base.greedy_tokens,
-            )
-            self._bench.cfg = self.cfg
+            self.cfg = self._bench.cfg = replace(base, policy=policy)
             for ratio in ratios:
                 for name in ("per_request", "collective"):
                     row = self.summary(self.run(name, ratio))
@@ -587,3 +599,56 @@ class AllGatherBench:
 
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
+
+
+SWEEP_POLICIES = ("kv_deviation", "first_k", "random", "none")
+SWEEP_RATIOS = (0.0, 0.05, 0.15, 0.3)
+
+
+def scaling_row(bench: AllGatherBench, report: dict[str, Any]) -> dict[str, Any]:
+    """Compute, time and storage of one agent count (from its report)."""
+    keys = ("computed_tokens", "prefill_seconds", "kv_bytes_per_agent")
+    return {
+        "agents": bench.agents,
+        "strategies": {
+            name: {key: row[key] for key in keys} for name, row in report["strategies"].items()
+        },
+        "kv_dense_over_collective": report["comparison"]["kv_dense_over_collective"],
+        "kv_dense_over_mirror": report["comparison"]["kv_dense_over_mirror"],
+    }
+
+
+def run_allgather_bench(
+    executor: Executor,
+    fingerprint: str,
+    turns: Sequence[AgentTurn],
+    cfg: AllGatherBenchConfig,
+    workload: AllGatherConfig,
+    sweep: bool = False,
+    scale: Sequence[Sequence[AgentTurn]] = (),
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """The report for `turns` (generated with `workload`); with `sweep`, quality vs recompute
+    ratio per policy; with `scale`, the same strategies on traces with other agent counts."""
+    if cfg.check_layer >= executor.config.num_layers:
+        raise InvalidRequestError(
+            f"--check-layer must be below the model's {executor.config.num_layers} layers"
+        )
+    bench = AllGatherBench(executor, fingerprint, turns, cfg, progress)
+    report = bench.report()
+    report["config"].update(
+        order=workload.order, seed=workload.seed, output_tokens=workload.output_tokens
+    )
+    if sweep:
+        report["sweep"] = bench.sweep(SWEEP_POLICIES, SWEEP_RATIOS)
+    rows = []
+    for other in scale:
+        progress(f"scaling: {len({t.agent for t in other})} agents")
+        if {t.agent for t in other} == {t.agent for t in turns}:
+            rows.append(scaling_row(bench, report))
+            continue
+        other_bench = AllGatherBench(executor, fingerprint, other, cfg, progress)
+        rows.append(scaling_row(other_bench, other_bench.report()))
+    if rows:
+        report["scaling"] = sorted(rows, key=lambda row: row["agents"])
+    return report
