@@ -128,7 +128,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     from kmesh.engine.engine import Engine
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace, load_trace
 
-    options = ("policy", "recompute_ratio", "agent_ratio", "check_layer", "gate")
+    options = ("policy", "recompute_ratio", "shared_ratio", "agent_ratio", "check_layer", "gate")
     cfg = AllGatherBenchConfig(
         **{name: getattr(args, name) for name in options if getattr(args, name) is not None}
     )
@@ -292,20 +292,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute-ratio",
         type=float,
         default=None,
-        help="share of reused tokens recomputed: per request, or once per round for collective",
+        help="per_request: share of each agent's reused tokens recomputed (default 0.15)",
+    )
+    gather.add_argument(
+        "--shared-ratio",
+        type=float,
+        default=None,
+        help="collective: share of the round's outputs recomputed once, in the shared context "
+        "(default 1.0: all)",
     )
     gather.add_argument(
         "--agent-ratio",
         type=float,
         default=None,
-        help="collective: share of each agent's blocks recomputed in its own context",
+        help="collective: share of each agent's reused blocks recomputed (default 0)",
     )
     gather.add_argument("--check-layer", type=int, default=None, help="kv_deviation's (default 1)")
     gather.add_argument(
         "--gate",
         type=float,
         default=None,
-        help="quality gate: mean relative key deviation above which a region is fully recomputed",
+        help="quality gate: mean relative key deviation at the check layer above which a region "
+        "is fully recomputed (default 0.1)",
     )
     gather.add_argument(
         "--sweep", action="store_true", help="also measure quality vs ratio for every policy"

@@ -58,10 +58,17 @@ COMPUTE_ALL = RecoveryConfig("full", 1.0)
 @dataclass(frozen=True, slots=True)
 class AllGatherBenchConfig:
     policy: str = "kv_deviation"
+    # per_request: share of each agent's reused tokens recomputed in its own context.
     recompute_ratio: float = 0.15
+    # collective: share of the round's outputs recomputed once in the common context (1.0: all
+    # of them, the shared step is then a plain prefill of the outputs after the shared context) ...
+    shared_ratio: float = 1.0
+    # ... and share of each agent's reused blocks recomputed in its own context.
     agent_ratio: float = 0.0
     check_layer: int = 1
-    gate: float | None = None
+    # Quality gate: a region whose mean relative key deviation at the check layer exceeds this is
+    # recomputed in full. Normal reuse on the embedded model deviates 0.006-0.022; garbage ~1.
+    gate: float | None = 0.1
     block_size: int = 16
     greedy_tokens: int = 32
 
@@ -70,6 +77,7 @@ class AllGatherBenchConfig:
             raise InvalidRequestError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
         for flag, value in (
             ("--recompute-ratio", self.recompute_ratio),
+            ("--shared-ratio", self.shared_ratio),
             ("--agent-ratio", self.agent_ratio),
         ):
             if not 0.0 <= value <= 1.0:
@@ -84,7 +92,8 @@ class AllGatherBenchConfig:
             raise InvalidRequestError("block size and greedy tokens must be at least 1")
 
     def recovery(self, ratio: float) -> RecoveryConfig:
-        return RecoveryConfig(self.policy, ratio, self.check_layer, self.gate)
+        policy = "full" if ratio >= 1.0 else self.policy
+        return RecoveryConfig(policy, ratio, self.check_layer, self.gate)
 
 
 @dataclass(slots=True)
@@ -95,6 +104,8 @@ class StrategyRun:
     seconds: list[float] = field(default_factory=list)
     kv_bytes_per_agent: float = 0.0
     fallbacks: int = 0
+    # Each recovered region's mean relative key deviation at the check layer (the gate's signal).
+    deviations: list[float] = field(default_factory=list)
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     greedy: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -127,16 +138,19 @@ class _Transcript:
         return DenseKV(torch.arange(len(self.token_ids)), list(self.k), list(self.v))
 
 
-class _Bench:
+class AllGatherBench:
+    """The reference run (and the outputs' stored KV) once; then strategies and sweeps."""
+
     def __init__(
         self,
         executor: Executor,
         fingerprint: str,
         turns: Sequence[AgentTurn],
         cfg: AllGatherBenchConfig,
-        progress: Callable[[str], None],
+        progress: Callable[[str], None] = lambda _: None,
     ) -> None:
         self.executor = executor
+        self.fingerprint = fingerprint
         self.cfg = cfg
         self.progress = progress
         self.rounds: list[list[AgentTurn]] = []
@@ -148,11 +162,115 @@ class _Bench:
         if any(len(r) != self.agents for r in self.rounds):
             raise ValueError("every round of the trace must hold one turn per agent")
         self.index: SegmentIndex[SegmentKV] = SegmentIndex(KeyNamespace(fingerprint))
-        cfg_model = executor.config
+        model = executor.config
         element = torch.empty((), dtype=executor.dtype).element_size()
         self.block_bytes = (
-            2 * cfg_model.num_layers * cfg.block_size * cfg_model.num_kv_heads * cfg_model.head_dim
-        ) * element
+            2 * model.num_layers * cfg.block_size * model.num_kv_heads * model.head_dim * element
+        )
+        progress("full (reference)")
+        self.reference = self.run_full()
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.executor.config
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(t.prompt.token_ids) for turns in self.rounds for t in turns)
+
+    def run(self, name: str) -> StrategyRun:
+        self.progress(name)
+        if name == "full":
+            return self.reference
+        if name == "prefix":
+            return self.run_prefix()
+        if name == "per_request":
+            return self.run_per_request()
+        if name == "collective":
+            return self.run_collective()
+        raise ValueError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
+
+    def summary(self, run: StrategyRun) -> dict[str, Any]:
+        return _summary(run, self.reference)
+
+    def report(self) -> dict[str, Any]:
+        runs = {name: self.summary(self.run(name)) for name in STRATEGIES}
+        per_request, collective = runs["per_request"], runs["collective"]
+        dense = runs["full"]["kv_bytes_per_agent"]
+        return {
+            "hardware": hardware(),
+            "note": (
+                "CPU figures are functional/trend results, not comparable to the papers' GPU "
+                "numbers"
+            ),
+            "config": self.config_dict(),
+            "strategies": runs,
+            "comparison": {
+                "computed_collective_over_per_request": _ratio(
+                    collective["computed_tokens"], per_request["computed_tokens"]
+                ),
+                "seconds_collective_over_per_request": _ratio(
+                    collective["prefill_seconds"], per_request["prefill_seconds"]
+                ),
+                "computed_collective_over_per_request_reuse_rounds": _ratio(
+                    collective["computed_tokens_reuse_rounds"],
+                    per_request["computed_tokens_reuse_rounds"],
+                ),
+                "seconds_collective_over_per_request_reuse_rounds": _ratio(
+                    collective["prefill_seconds_reuse_rounds"],
+                    per_request["prefill_seconds_reuse_rounds"],
+                ),
+                "kv_dense_over_collective": _ratio(dense, collective["kv_bytes_per_agent"]),
+                "kv_dense_over_mirror": _ratio(dense, collective["kv_bytes_mirror_per_agent"]),
+            },
+        }
+
+    def sweep(self, policies: Sequence[str], ratios: Sequence[float]) -> list[dict[str, Any]]:
+        """Quality and compute vs ratio, per policy: per_request's recompute ratio; collective's
+        agent ratio (shared step as configured); collective_shared's shared ratio (no agent
+        correction: the once-per-round recovery from the stored KV alone)."""
+        variants: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+            ("per_request", "per_request", "recompute_ratio", {}),
+            ("collective", "collective", "agent_ratio", {}),
+            ("collective_shared", "collective", "shared_ratio", {"agent_ratio": 0.0}),
+        )
+        rows = []
+        base = self.cfg
+        for policy in policies:
+            for ratio in ratios:
+                for label, strategy, knob, fixed in variants:
+                    overrides: dict[str, Any] = {"policy": policy, knob: ratio, **fixed}
+                    self.cfg = replace(base, **overrides)
+                    row = self.summary(self.run(strategy))
+                    rows.append(
+                        {
+                            "policy": policy,
+                            "ratio": ratio,
+                            "strategy": label,
+                            "computed_tokens": row["computed_tokens"],
+                            "prefill_seconds": row["prefill_seconds"],
+                            "quality": row["quality"],
+                        }
+                    )
+        self.cfg = base
+        return rows
+
+    def config_dict(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "agents": self.agents,
+            "rounds": len(self.rounds),
+            "policy": cfg.policy,
+            "recompute_ratio": cfg.recompute_ratio,
+            "shared_ratio": cfg.shared_ratio,
+            "agent_ratio": cfg.agent_ratio,
+            "check_layer": cfg.check_layer,
+            "gate": cfg.gate,
+            "block_size": cfg.block_size,
+            "greedy_tokens": cfg.greedy_tokens,
+            "model": self.fingerprint,
+            "prompt_tokens": self.prompt_tokens,
+        }
 
     # --- the four strategies -------------------------------------------------------------------
 
@@ -166,6 +284,8 @@ class _Bench:
             run.add(r, seconds=time.perf_counter() - started)
             self._finish_round(run, r, turns, [None] * len(turns), recovered)
             self._store_outputs(r, turns, recovered)
+            if r > 0:
+                run.kv_bytes_per_agent += self._dense_output_bytes(r)
         return run
 
     def run_prefix(self) -> StrategyRun:
@@ -179,23 +299,25 @@ class _Bench:
             started = time.perf_counter()
             recovered = recover(self.executor, regions, COMPUTE_ALL)
             run.add(r, seconds=time.perf_counter() - started)
+            if r > 0:
+                run.kv_bytes_per_agent += self._dense_output_bytes(r)
             self._finish_round(run, r, turns, transcripts, recovered)
         return run
 
-    def run_per_request(self, ratio: float) -> StrategyRun:
+    def run_per_request(self) -> StrategyRun:
         run = StrategyRun("per_request")
         transcripts = self._start(run)
         for r, turns in enumerate(self.rounds):
             started = time.perf_counter()
             regions = [self._reuse_region(r, t, x) for t, x in zip(turns, transcripts, strict=True)]
-            recovered = recover(self.executor, regions, self.cfg.recovery(ratio))
+            recovered = recover(self.executor, regions, self.cfg.recovery(self.cfg.recompute_ratio))
             run.add(r, seconds=time.perf_counter() - started)
             if r > 0:
                 run.kv_bytes_per_agent += self._dense_output_bytes(r)
             self._finish_round(run, r, turns, transcripts, recovered)
         return run
 
-    def run_collective(self, ratio: float) -> StrategyRun:
+    def run_collective(self) -> StrategyRun:
         run = StrategyRun("collective")
         run.extra = {"kv_bytes_master": 0, "kv_bytes_mirror_per_agent": 0.0}
         identical = True
@@ -224,7 +346,7 @@ class _Bench:
                 common.context(),
                 outputs,
                 siblings,
-                self.cfg.recovery(ratio),
+                self.cfg.recovery(self.cfg.shared_ratio),
                 self.cfg.recovery(self.cfg.agent_ratio),
                 self.cfg.block_size,
             )
@@ -320,10 +442,6 @@ class _Bench:
             torch.cat(segment_of),
         )
 
-    @property
-    def config(self) -> ModelConfig:
-        return self.executor.config
-
     def _author(self, r: int, segment: Segment) -> int | None:
         if r == 0:
             return None
@@ -409,6 +527,8 @@ class _Bench:
         ):
             run.add(r, computed=rec.computed_tokens)
             run.fallbacks += int(rec.fell_back)
+            if rec.deviation is not None:
+                run.deviations.append(rec.deviation)
             if rec.last_hidden is None:
                 raise AssertionError("the prompt's last token must be computed")
             logits.append(self.executor.logits(rec.last_hidden[None])[0])
@@ -483,118 +603,10 @@ def _summary(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
         ],
         "kv_bytes_per_agent": round(run.kv_bytes_per_agent),
         "fallbacks": run.fallbacks,
+        "check_deviation_max": round(max(run.deviations), 4) if run.deviations else None,
         "quality": quality.as_dict(),
         **run.extra,
     }
-
-
-class AllGatherBench:
-    """The reference run (and the outputs' stored KV) once; strategies and sweeps against it."""
-
-    def __init__(
-        self,
-        executor: Executor,
-        fingerprint: str,
-        turns: Sequence[AgentTurn],
-        cfg: AllGatherBenchConfig,
-        progress: Callable[[str], None] = lambda _: None,
-    ) -> None:
-        self._bench = _Bench(executor, fingerprint, turns, cfg, progress)
-        self.cfg = cfg
-        self.fingerprint = fingerprint
-        progress("full (reference)")
-        self.reference = self._bench.run_full()
-        self.reference.kv_bytes_per_agent = sum(
-            self._bench._dense_output_bytes(r) for r in range(1, len(self._bench.rounds))
-        )
-
-    @property
-    def agents(self) -> int:
-        return self._bench.agents
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(t.prompt.token_ids) for turns in self._bench.rounds for t in turns)
-
-    def run(self, name: str, ratio: float | None = None) -> StrategyRun:
-        ratio = self.cfg.recompute_ratio if ratio is None else ratio
-        self._bench.progress(name)
-        if name == "full":
-            return self.reference
-        if name == "prefix":
-            run = self._bench.run_prefix()
-            run.kv_bytes_per_agent = self.reference.kv_bytes_per_agent
-            return run
-        if name == "per_request":
-            return self._bench.run_per_request(ratio)
-        if name == "collective":
-            return self._bench.run_collective(ratio)
-        raise ValueError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
-
-    def summary(self, run: StrategyRun) -> dict[str, Any]:
-        return _summary(run, self.reference)
-
-    def report(self) -> dict[str, Any]:
-        runs = {name: self.summary(self.run(name)) for name in STRATEGIES}
-        per_request, collective = runs["per_request"], runs["collective"]
-        dense = runs["full"]["kv_bytes_per_agent"]
-        return {
-            "hardware": hardware(),
-            "note": (
-                "CPU figures are functional/trend results, not comparable to the papers' GPU "
-                "numbers"
-            ),
-            "config": self.config_dict(),
-            "strategies": runs,
-            "comparison": {
-                "computed_collective_over_per_request": _ratio(
-                    collective["computed_tokens"], per_request["computed_tokens"]
-                ),
-                "seconds_collective_over_per_request": _ratio(
-                    collective["prefill_seconds"], per_request["prefill_seconds"]
-                ),
-                "kv_dense_over_collective": _ratio(dense, collective["kv_bytes_per_agent"]),
-                "kv_dense_over_mirror": _ratio(dense, collective["kv_bytes_mirror_per_agent"]),
-            },
-        }
-
-    def sweep(self, policies: Sequence[str], ratios: Sequence[float]) -> list[dict[str, Any]]:
-        """Quality and compute of per_request and collective for each policy and ratio."""
-        rows = []
-        base = self.cfg
-        for policy in policies:
-            self.cfg = self._bench.cfg = replace(base, policy=policy)
-            for ratio in ratios:
-                for name in ("per_request", "collective"):
-                    row = self.summary(self.run(name, ratio))
-                    rows.append(
-                        {
-                            "policy": policy,
-                            "ratio": ratio,
-                            "strategy": name,
-                            "computed_tokens": row["computed_tokens"],
-                            "prefill_seconds": row["prefill_seconds"],
-                            "quality": row["quality"],
-                        }
-                    )
-        self.cfg = self._bench.cfg = base
-        return rows
-
-    def config_dict(self) -> dict[str, Any]:
-        cfg = self.cfg
-        return {
-            "agents": self.agents,
-            "rounds": len(self._bench.rounds),
-            "policy": cfg.policy,
-            "recompute_ratio": cfg.recompute_ratio,
-            "agent_ratio": cfg.agent_ratio,
-            "check_layer": cfg.check_layer,
-            "gate": cfg.gate,
-            "block_size": cfg.block_size,
-            "greedy_tokens": cfg.greedy_tokens,
-            "model": self.fingerprint,
-            "prompt_tokens": self.prompt_tokens,
-        }
 
 
 def _ratio(a: float, b: float) -> float | None:

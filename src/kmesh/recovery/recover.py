@@ -81,9 +81,11 @@ def recover(
     layers = executor.config.num_layers
     if cfg.check_layer >= layers:
         raise ValueError(f"check layer {cfg.check_layer} is not below the {layers} layers")
-    # The check layer is paid only if it is used: to choose (kv_deviation, a budget > 0) or to gate.
+    # The check layer is paid only if it is used: to choose (kv_deviation with a budget) or to
+    # gate (pointless when everything is recomputed anyway).
     scoring = needs_check_layer(cfg.policy) and cfg.ratio > 0
-    checked = [bool(r.reusable.any()) and (scoring or cfg.gate is not None) for r in regions]
+    gating = cfg.gate is not None and cfg.policy != "full"
+    checked = [bool(r.reusable.any()) and (scoring or gating) for r in regions]
     check_range = range(cfg.check_layer + 1)
     first = _run(
         executor,
@@ -99,7 +101,7 @@ def recover(
     for region, out in zip(regions, early, strict=True):
         deviation = None if out is None else _deviation(out, region, cfg.check_layer)
         mean = None if deviation is None else float(deviation[region.reusable].mean())
-        fell_back = cfg.gate is not None and mean is not None and mean > cfg.gate
+        fell_back = gating and mean is not None and cfg.gate is not None and mean > cfg.gate
         chosen = _choose(region, cfg, deviation, fell_back)
         plans.append((chosen, mean, fell_back))
     # Second phase: chosen + new tokens through the remaining layers, against the prefix and the
