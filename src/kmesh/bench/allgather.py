@@ -10,8 +10,9 @@ Strategies, all replaying the same prompts (a trace from workloads/allgather.py)
   agent with the policy (CacheBlend / EPIC style): each output's stored KV comes from its author's
   context, is re-rotated to the agent's positions and partly recomputed there.
 - collective (KMesh): prefix reuse, plus recovery/collective.py: the outputs recovered once per
-  round after the shared system prompt (same policy and ratio, from the same stored KV), stored as
-  one master; per agent a mirror that re-places them and recomputes `agent_ratio` of its blocks.
+  round in the agents' common context (system prompt and earlier rounds' masters; from the same
+  stored KV, at `shared_ratio`, by default 1.0: computed in full) and stored as one master; per
+  agent a mirror re-places them and the policy recomputes `agent_ratio` of its blocks.
 
 The outputs' stored KV is the by-product of generation: each output computed after its author's
 full prompt (the reference run gives it; it is decode work, not counted as prefill). Headers and
@@ -291,17 +292,10 @@ class AllGatherBench:
     def run_prefix(self) -> StrategyRun:
         run = StrategyRun("prefix")
         transcripts = self._start(run)
-        for r, turns in enumerate(self.rounds):
-            regions = [
-                self._new_region(self._region_segments(t, x), x, len(x.token_ids))
-                for t, x in zip(turns, transcripts, strict=True)
-            ]
-            started = time.perf_counter()
-            recovered = recover(self.executor, regions, COMPUTE_ALL)
-            run.add(r, seconds=time.perf_counter() - started)
+        for r in range(len(self.rounds)):
+            self._prefill_after_transcripts(run, r, transcripts)
             if r > 0:
                 run.kv_bytes_per_agent += self._dense_output_bytes(r)
-            self._finish_round(run, r, turns, transcripts, recovered)
         return run
 
     def run_per_request(self) -> StrategyRun:
@@ -325,17 +319,9 @@ class AllGatherBench:
         # The round's common context: the system prompt, then every earlier round's master in
         # canonical order (what all agents share, without anyone's private history).
         common = _Transcript(transcripts[0].token_ids, transcripts[0].k, transcripts[0].v)
-        for r, turns in enumerate(self.rounds):
+        self._prefill_after_transcripts(run, 0, transcripts)  # no outputs yet
+        for r, turns in enumerate(self.rounds[1:], start=1):
             started = time.perf_counter()
-            if r == 0:
-                regions = [
-                    self._new_region(self._region_segments(t, x), x, len(x.token_ids))
-                    for t, x in zip(turns, transcripts, strict=True)
-                ]
-                recovered = recover(self.executor, regions, COMPUTE_ALL)
-                run.add(r, seconds=time.perf_counter() - started)
-                self._finish_round(run, r, turns, transcripts, recovered)
-                continue
             outputs = [self._output_reuse(r - 1, author, turns[0]) for author in range(self.agents)]
             siblings = [
                 Sibling(x.context(), self._reading_order(r, t), self._instruction(t))
@@ -373,6 +359,20 @@ class AllGatherBench:
         return run
 
     # --- pieces ---------------------------------------------------------------------------------
+
+    def _prefill_after_transcripts(
+        self, run: StrategyRun, r: int, transcripts: list[_Transcript]
+    ) -> None:
+        """Round r computed in full after each agent's transcript (exact prefix reuse only)."""
+        turns = self.rounds[r]
+        regions = [
+            self._new_region(self._region_segments(t, x), x, len(x.token_ids))
+            for t, x in zip(turns, transcripts, strict=True)
+        ]
+        started = time.perf_counter()
+        recovered = recover(self.executor, regions, COMPUTE_ALL)
+        run.add(r, seconds=time.perf_counter() - started)
+        self._finish_round(run, r, turns, transcripts, recovered)
 
     def _start(self, run: StrategyRun) -> list[_Transcript]:
         """Every agent's transcript starts with the shared system prompt, computed once."""

@@ -5,10 +5,11 @@ history and in its own order. Per-request recovery (CacheBlend, EPIC) repeats th
 sibling. Collective recovery splits it:
 
 1. Shared, once per round: the segments are laid out in canonical order right after a common
-   context (the round's shared system prompt) and recovered there with the policy, starting from
-   the segments' stored KV (e.g. each output's KV from its author's context). This makes the
-   cross-segment attention among the outputs right, which a segment's author context cannot give.
-   The result becomes the round's dense master (kv/master_mirror.py), keys at canonical positions.
+   context (what every sibling shares: the system prompt and the earlier rounds' masters) and
+   recovered there with the shared config, starting from the segments' stored KV (e.g. each
+   output's KV from its author's context); at ratio 1.0 that is a plain prefill of the segments.
+   This makes the cross-segment attention among the outputs right, which an author's context
+   cannot give. The result becomes the round's dense master (kv/master_mirror.py).
 2. Per sibling: its mirror places the master's segments in its order after its prefix (one fused
    gather + re-rotation), and the policy recomputes `agent_ratio` of the region's blocks: the blocks
    its private history disturbs most (kv_deviation), the first of each segment (first_k) or random
@@ -17,7 +18,9 @@ sibling. Collective recovery splits it:
    The sibling's own tail (its instruction) is computed in full.
 
 What stays approximate: each sibling's uncorrected blocks attended to the common context, not to
-its private history and order. Benchmarks measure how far that is from full prefill.
+its private history and its order. Benchmarks measure how far that is from full prefill. The cost
+is one shared recovery per round plus, per sibling, its correction and its tail: linear in the
+number of siblings, where per-request recovery of N outputs in N siblings grows as N squared.
 """
 
 from collections.abc import Sequence
