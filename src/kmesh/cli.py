@@ -182,6 +182,17 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         print(f"wrote {write_report(report, Path(args.report))}")
 
 
+def _store_serve(args: argparse.Namespace) -> None:
+    from kmesh.store.server import parse_size, serve
+
+    capacity = parse_size(args.capacity)
+
+    def ready() -> None:
+        print(f"kmesh store: listening on {args.socket}, capacity {capacity} bytes", flush=True)
+
+    serve(args.socket, capacity, lease=args.lease, on_ready=ready)
+
+
 def _agent_counts(text: str | None) -> list[int]:
     if text is None:
         return []
@@ -323,6 +334,23 @@ def build_parser() -> argparse.ArgumentParser:
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
     gather.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     gather.set_defaults(func=_bench_allgather)
+
+    store = commands.add_parser("store", help="the shared state store")
+    store_commands = store.add_subparsers(dest="store_command", required=True)
+    store_serve = store_commands.add_parser(
+        "serve", help="serve keyed state in shared memory on a Unix socket until SIGTERM/SIGINT"
+    )
+    store_serve.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    store_serve.add_argument(
+        "--capacity", required=True, help="payload bytes to hold, like 512M, 2G or 1048576"
+    )
+    store_serve.add_argument(
+        "--lease",
+        type=float,
+        default=60.0,
+        help="seconds a leader has to publish or renew before a waiter takes over (default 60)",
+    )
+    store_serve.set_defaults(func=_store_serve)
     return parser
 
 

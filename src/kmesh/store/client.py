@@ -1,0 +1,443 @@
+"""The store's client: what an engine calls to share keyed state with other processes.
+
+A client works on chains of block keys (a prompt's full blocks, each key standing for its whole
+prefix, e.g. kmesh.state.keys.block_key). One round trip per call, on one Unix socket; payloads
+never cross the socket: a hit names a shared memory segment that `read` maps, and `publish` writes
+straight into a segment the store reserved. The intended use:
+
+    with StoreClient(socket_path, tenant=namespace.tenant_salt) as store:
+        got = store.acquire(keys, family=family_id)
+        if got.waiting_on is not None:  # another client computes the next block: let it
+            got = store.wait(keys, timeout=30.0, family=family_id)
+        for hit in got.hits:  # keys[:len(hits)]
+            with store.read(hit) as entry:  # checksum verified; EntryLost: recompute instead
+                restore(entry.data, entry.meta)  # copy out, then drop views before the close
+        ...compute the other blocks...
+        for key in got.lead:  # the blocks this client must publish (or abandon)
+            store.publish(key, block_bytes(key), meta={"dtype": "float32"}, family=family_id)
+        store.close_family(family_id)  # when the family ends: its entries become evictable
+
+If `wait` ran out, `waiting_on` is still set and `lead` empty: compute without the store. Every
+failure to use the store is a StoreError, so the caller's fallback is always "compute it here":
+StoreUnavailable (socket error, store gone, timeout, protocol error: the client is closed after
+it), StoreRefused (a publish that does not fit: keep the computed state locally) and EntryLost
+(a hit whose segment failed its checksum, reported to the store which dropped it, or vanished).
+
+A leader must publish or abandon each led key before its lease (Acquired.lease seconds) runs
+out; any request, `renew()` included, renews it. A client is one connection: not thread-safe,
+and its claims, pins and families end with it.
+"""
+
+import contextlib
+import mmap
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kmesh.errors import KMeshError
+from kmesh.store.protocol import (
+    KEY_BYTES,
+    MAX_KEYS,
+    MAX_META_BYTES,
+    MAX_NAME_CHARS,
+    MAX_WAIT_S,
+    Abandon,
+    Acquire,
+    AnyAnswer,
+    AnyRequest,
+    CloseFamily,
+    Commit,
+    Done,
+    Drop,
+    Error,
+    Pin,
+    Ping,
+    ProtocolError,
+    Refused,
+    Reserve,
+    Reserved,
+    Stats,
+    StatsInfo,
+    checksum,
+    decode_answer,
+    encode_frame,
+    read_frame,
+)
+from kmesh.store.protocol import (
+    Acquired as AcquiredAnswer,
+)
+from kmesh.store.tier import SHM_DIR
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+class StoreError(KMeshError):
+    """The store cannot serve this: compute the state here instead."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached or answered wrongly; this client is closed."""
+
+
+class StoreRefused(StoreError):
+    """The store refused a publish (`code`: too_large, full, no_memory, not_leader,
+    not_reserved); the key's claim is gone, keep the computed state locally."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+class EntryLost(StoreError):
+    """A hit cannot be read: its bytes failed the checksum (the store was told and dropped the
+    entry) or its segment is gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A published entry of one key: where it lives and what its bytes must hash to."""
+
+    key: bytes
+    name: str  # shared memory segment
+    size: int
+    checksum: int
+    meta_bytes: bytes  # MessagePack of the publisher's meta, checked with the payload
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """The answer to acquire/wait for keys k: hits are k[:len(hits)]; this client leads `lead`
+    (the keys right after the hits it must publish or abandon); `waiting_on`, if set, is the
+    key after the hits that another client is computing."""
+
+    hits: tuple[Hit, ...]
+    lead: tuple[bytes, ...]
+    waiting_on: bytes | None
+    lease: float  # seconds a leader has to publish (any request renews it)
+
+
+class Mapped:
+    """A verified entry mapped into this process. `data` is a read-only view of the shared
+    memory (no copy); drop every array made from it, then `close` (or use `with`)."""
+
+    __slots__ = ("_mapping", "data", "key", "meta")
+
+    def __init__(
+        self,
+        key: bytes,
+        mapping: mmap.mmap,
+        data: memoryview,
+        meta: dict[str, Any],
+    ) -> None:
+        self.key = key
+        self.data = data
+        self.meta = meta
+        self._mapping = mapping
+
+    def close(self) -> None:
+        try:
+            self.data.release()
+            self._mapping.close()
+        except BufferError:
+            raise BufferError(
+                "an array or tensor made from Mapped.data is still alive; copy out and drop it "
+                "before closing"
+            ) from None
+
+    def __enter__(self) -> "Mapped":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+_meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+_SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")
+
+
+def _map(name: str, writable: bool) -> mmap.mmap:
+    """Map one of the store's segments (POSIX shared memory, made by the store with
+    multiprocessing.shared_memory) from its file in /dev/shm; a reader's mapping is read-only.
+    SharedMemory(name) would map the same memory, but Python 3.11 registers every segment it
+    maps with the process's resource tracker, which unlinks it when the process exits (the store
+    owns its segments) and which sibling processes share and race on. OSError if it is gone."""
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise OSError(f"{name!r:.80} is not a store segment name")
+    fd = os.open(SHM_DIR / name, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise OSError(f"segment {name} is empty")
+        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def _check_key(key: bytes) -> bytes:
+    if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
+        raise ValueError(f"a store key is {KEY_BYTES} bytes (a SHA-256 digest), got {key!r:.80}")
+    return bytes(key)
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if len(keys) > MAX_KEYS:
+        raise ValueError(f"at most {MAX_KEYS} keys per request, got {len(keys)}")
+    return [_check_key(key) for key in keys]
+
+
+def _check_name(what: str, name: str) -> str:
+    if not 0 < len(name) <= MAX_NAME_CHARS:
+        raise ValueError(f"{what} must have 1 to {MAX_NAME_CHARS} characters, got {name!r:.80}")
+    return name
+
+
+def _encode_meta(meta: Mapping[str, Any] | None) -> bytes:
+    if not meta:
+        return b""
+    encoded = msgspec.msgpack.encode(dict(meta))
+    if len(encoded) > MAX_META_BYTES:
+        raise ValueError(f"meta encodes to {len(encoded)} bytes, the limit is {MAX_META_BYTES}")
+    return encoded
+
+
+def _short(key: bytes) -> str:
+    return key.hex()[:16]
+
+
+class StoreClient:
+    """One connection to a store, on behalf of one tenant (None: the shared namespace)."""
+
+    def __init__(
+        self, socket_path: str | os.PathLike[str], tenant: str | None = None, timeout: float = 5.0
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.socket_path = os.fspath(socket_path)
+        self.tenant = None if tenant is None else _check_name("tenant", tenant)
+        self.timeout = timeout
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as error:
+            sock.close()
+            raise StoreUnavailable(
+                f"cannot reach the store at {self.socket_path}: {error}"
+            ) from None
+        self._sock: socket.socket | None = sock
+
+    def acquire(self, keys: Sequence[bytes], family: str | None = None) -> Acquired:
+        """Hits for the published prefix of `keys`, then either the keys this client now leads
+        or the key it would wait for. With `family`, the hits are pinned for it."""
+        return self._acquire(keys, 0.0, family)
+
+    def wait(self, keys: Sequence[bytes], timeout: float, family: str | None = None) -> Acquired:
+        """Like acquire, but while another client leads the first missing key, wait (up to
+        `timeout` seconds) until it publishes it (then go on down the chain) or goes away (then
+        this client may be the one promoted to lead)."""
+        if not 0 <= timeout <= MAX_WAIT_S:
+            raise ValueError(f"timeout must be within 0..{MAX_WAIT_S} seconds, got {timeout}")
+        return self._acquire(keys, timeout, family)
+
+    def read(self, hit: Hit) -> Mapped:
+        """Map a hit's bytes and check them against its checksum (CRC-32, see protocol.py).
+        A mismatch is reported to the store, which drops the entry; both raise EntryLost."""
+        try:
+            mapping = _map(hit.name, writable=False)
+        except OSError as error:
+            raise EntryLost(
+                f"entry {_short(hit.key)} is gone (evicted, dropped or the store stopped): {error}"
+            ) from None
+        data = memoryview(mapping)[: hit.size]
+        meta: dict[str, Any] | None = None
+        if data.nbytes == hit.size and checksum(hit.key, hit.meta_bytes, data) == hit.checksum:
+            try:
+                meta = _meta_decoder.decode(hit.meta_bytes) if hit.meta_bytes else {}
+            except msgspec.DecodeError:
+                meta = None
+        if meta is None:
+            data.release()
+            mapping.close()
+            self.drop(hit)
+            raise EntryLost(
+                f"entry {_short(hit.key)} failed its checksum; the store dropped it, compute it "
+                "again"
+            )
+        return Mapped(hit.key, mapping, data, meta)
+
+    def publish(
+        self,
+        key: bytes,
+        payload: "Buffer",
+        meta: Mapping[str, Any] | None = None,
+        family: str | None = None,
+    ) -> None:
+        """Publish a led key's payload (any C-contiguous buffer, e.g. a numpy array); see
+        publish_into."""
+        source = memoryview(payload).cast("B")
+
+        def copy(target: memoryview) -> None:
+            target[:] = source
+
+        self.publish_into(key, source.nbytes, copy, meta, family)
+
+    def publish_into(
+        self,
+        key: bytes,
+        size: int,
+        write: Callable[[memoryview], None],
+        meta: Mapping[str, Any] | None = None,
+        family: str | None = None,
+    ) -> None:
+        """Publish a led key: the store reserves `size` bytes of shared memory, `write` fills
+        them in place (keep no view of it), then the entry is committed with its checksum and
+        only then becomes visible. `meta` is a small map returned with every read (dtype,
+        shape...). With `family`, the entry is pinned for it. StoreRefused if the store cannot
+        fit it even after eviction (or the claim is gone); if `write` raises, the key is
+        abandoned."""
+        key = _check_key(key)
+        if size < 1:
+            raise ValueError(f"a payload needs at least one byte, got size {size}")
+        if family is not None:
+            _check_name("family", family)
+        meta_bytes = _encode_meta(meta)
+        answer = self._call(Reserve(key, size, tenant=self.tenant))
+        if isinstance(answer, Refused):
+            raise StoreRefused(answer.code, answer.reason)
+        if not isinstance(answer, Reserved):
+            raise self._unexpected(answer)
+        try:
+            try:
+                mapping = _map(answer.name, writable=True)
+            except OSError as error:
+                raise StoreUnavailable(f"the reserved segment is gone: {error}") from None
+            try:
+                target = memoryview(mapping)[:size]
+                try:
+                    write(target)
+                    crc = checksum(key, meta_bytes, target)
+                finally:
+                    target.release()
+            finally:
+                mapping.close()
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                self.abandon([key])
+            raise
+        answer = self._call(Commit(key, crc, meta_bytes, family, tenant=self.tenant))
+        if isinstance(answer, Refused):
+            raise StoreRefused(answer.code, answer.reason)
+        if not isinstance(answer, Done):
+            raise self._unexpected(answer)
+
+    def abandon(self, keys: Sequence[bytes]) -> int:
+        """Give up leading `keys` (waiters get promoted); returns how many were led."""
+        return self._count(Abandon(_check_keys(keys), tenant=self.tenant))
+
+    def pin(self, family: str, keys: Sequence[bytes]) -> int:
+        """Protect the published entries of `keys` from eviction until `close_family(family)`
+        or this client closes; returns how many are pinned."""
+        family = _check_name("family", family)
+        return self._count(Pin(family, _check_keys(keys), tenant=self.tenant))
+
+    def close_family(self, family: str) -> int:
+        """Release the family's pins; returns how many entries it had pinned."""
+        return self._count(CloseFamily(_check_name("family", family), tenant=self.tenant))
+
+    def drop(self, hit: Hit) -> bool:
+        """Report a hit's entry as bad: the store forgets it (if it is still that entry)."""
+        return self._count(Drop(hit.key, hit.name, tenant=self.tenant)) > 0
+
+    def renew(self) -> None:
+        """Renew this client's leases."""
+        self._count(Ping(tenant=self.tenant))
+
+    def stats(self) -> dict[str, int]:
+        """The store's counters (capacity and bytes used are the whole store's)."""
+        answer = self._call(Stats(tenant=self.tenant))
+        if not isinstance(answer, StatsInfo):
+            raise self._unexpected(answer)
+        return {k: v for k, v in msgspec.structs.asdict(answer).items() if k != "v"}
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _acquire(self, keys: Sequence[bytes], wait: float, family: str | None) -> Acquired:
+        checked = _check_keys(keys)
+        if family is not None:
+            _check_name("family", family)
+        request = Acquire(checked, wait=wait, family=family, tenant=self.tenant)
+        answer = self._call(request, wait)
+        if not isinstance(answer, AcquiredAnswer):
+            raise self._unexpected(answer)
+        found = len(answer.hits)
+        if found + answer.lead > len(checked) or (
+            answer.wait and (answer.lead or found == len(checked))
+        ):
+            raise self._unexpected(answer)
+        return Acquired(
+            hits=tuple(
+                Hit(key, h.name, h.size, h.checksum, h.meta)
+                for key, h in zip(checked, answer.hits, strict=False)
+            ),
+            lead=tuple(checked[found : found + answer.lead]),
+            waiting_on=checked[found] if answer.wait else None,
+            lease=answer.lease,
+        )
+
+    def _count(self, request: AnyRequest) -> int:
+        answer = self._call(request)
+        if not isinstance(answer, Done):
+            raise self._unexpected(answer)
+        return answer.count
+
+    def _call(self, request: AnyRequest, wait: float = 0.0) -> AnyAnswer:
+        sock = self._sock
+        if sock is None:
+            raise StoreUnavailable(
+                f"this client's connection to the store at {self.socket_path} is closed; open a "
+                "new StoreClient"
+            )
+        try:
+            sock.settimeout(self.timeout + wait)
+            sock.sendall(encode_frame(request))
+            answer = decode_answer(read_frame(sock))
+        except (OSError, ProtocolError) as error:
+            self.close()
+            reason = "no answer in time" if isinstance(error, TimeoutError) else error
+            raise StoreUnavailable(f"lost the store at {self.socket_path}: {reason}") from None
+        if isinstance(answer, Error):
+            self.close()
+            raise StoreUnavailable(
+                f"the store rejected a request ({answer.code}): {answer.message}"
+            )
+        return answer
+
+    def _unexpected(self, answer: AnyAnswer) -> StoreUnavailable:
+        self.close()
+        return StoreUnavailable(f"unexpected answer from the store: {answer!r:.200}")
