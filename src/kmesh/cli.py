@@ -18,7 +18,11 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    llm = LLM(args.model)
+    if args.store is not None and not Path(args.store).exists():
+        raise InvalidRequestError(
+            f"no store socket at {args.store!r}: start one with `kmesh store serve --socket PATH`"
+        )
+    llm = LLM(args.model, store=args.store)
     [completion] = llm.generate([args.prompt], params, chat=args.chat, tenant_salt=args.tenant_salt)
     out = completion.output
     if args.json:
@@ -129,16 +133,19 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace, load_trace
 
     options = ("policy", "recompute_ratio", "shared_ratio", "agent_ratio", "check_layer", "gate")
-    cfg = AllGatherBenchConfig(
-        **{name: getattr(args, name) for name in options if getattr(args, name) is not None}
-    )
+    given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
+    if args.no_gate:
+        if "gate" in given:
+            raise InvalidRequestError("--gate and --no-gate cannot be combined")
+        given["gate"] = None
+    cfg = AllGatherBenchConfig(**given)
     scale = _agent_counts(args.scale)
     workload = None
     if args.trace is not None:
-        given = [f"--{n}" for n in ("agents", "rounds", "order") if getattr(args, n) is not None]
-        if given:
+        fixed = [f"--{n}" for n in ("agents", "rounds", "order") if getattr(args, n) is not None]
+        if fixed:
             raise InvalidRequestError(
-                f"{', '.join(given)} cannot be combined with --trace: the trace fixes the workload"
+                f"{', '.join(fixed)} cannot be combined with --trace: the trace fixes the workload"
             )
         workload, trace_model, turns = load_trace(Path(args.trace))
     else:
@@ -176,7 +183,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         others,
         progress=console.log,
     )
-    print_table(report, Console())
+    print_table(report, Console(width=None if sys.stdout.isatty() else 160))
     write_json(args.json, report)
     if args.report is not None:
         print(f"wrote {write_report(report, Path(args.report))}")
@@ -229,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--tenant-salt", default=None, help="keep this request's state apart")
+    gen.add_argument(
+        "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     gen.set_defaults(func=_generate)
@@ -303,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute-ratio",
         type=float,
         default=None,
-        help="per_request: share of each agent's reused tokens recomputed (default 0.15)",
+        help="per_request: share of each agent's reused tokens recomputed (default 0.3)",
     )
     gather.add_argument(
         "--shared-ratio",
@@ -326,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="quality gate: mean relative key deviation at the check layer above which a region "
         "is fully recomputed (default 0.1)",
     )
+    gather.add_argument("--no-gate", action="store_true", help="no quality gate")
     gather.add_argument(
         "--sweep", action="store_true", help="also measure quality vs ratio for every policy"
     )

@@ -60,7 +60,7 @@ COMPUTE_ALL = RecoveryConfig("full", 1.0)
 class AllGatherBenchConfig:
     policy: str = "kv_deviation"
     # per_request: share of each agent's reused tokens recomputed in its own context.
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = 0.3
     # collective: share of the round's outputs recomputed once in the common context (1.0: all
     # of them, the shared step is then a plain prefill of the outputs after the shared context) ...
     shared_ratio: float = 1.0

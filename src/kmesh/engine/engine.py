@@ -20,6 +20,7 @@ from kmesh.engine.runner import ModelRunner
 from kmesh.engine.sampler import sample
 from kmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kmesh.engine.sequence import Sequence
+from kmesh.engine.store_link import StoreLink
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.state.families import FamilyRegistry
@@ -44,6 +45,8 @@ class Engine:
         max_batch_tokens: tokens computed per step at most (a longer prompt runs alone).
         max_seqs: sequences running at once at most.
         prefix_caching: reuse full blocks across requests by key (forks share regardless).
+        store: socket of a `kmesh store serve` process: prompt blocks the local cache misses are
+            restored from it, and blocks this engine computes first are published to it.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Engine:
         max_batch_tokens: int = 4096,
         max_seqs: int = 32,
         prefix_caching: bool = True,
+        store: str | None = None,
     ) -> None:
         if block_size < 1 or kv_cache_tokens < block_size:
             raise InvalidRequestError(
@@ -65,8 +69,13 @@ class Engine:
         self.executor = executor
         self.config = executor.config
         num_blocks = blocks_for(kv_cache_tokens, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, model_fingerprint, prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, executor.dtype)
+        if store is not None and not prefix_caching:
+            raise InvalidRequestError("a store needs prefix caching (it shares blocks by key)")
+        self.store = None if store is None else StoreLink(store, self.cache)
+        self.kv = KVCacheManager(
+            num_blocks, block_size, model_fingerprint, prefix_caching, self.store
+        )
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_seqs)
         self.runner = ModelRunner(executor, self.cache)
         self.families = FamilyRegistry()

@@ -5,6 +5,7 @@ the number of reused tokens.
 """
 
 from kmesh.engine.sequence import Sequence
+from kmesh.engine.store_link import StoreLink
 from kmesh.index.prefix_index import PrefixIndex
 from kmesh.kv.block_pool import BlockPool
 from kmesh.state.keys import KeyNamespace, block_key
@@ -16,7 +17,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, model_fingerprint: str, prefix_caching: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        model_fingerprint: str,
+        prefix_caching: bool,
+        store: StoreLink | None = None,
     ) -> None:
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
@@ -24,6 +30,8 @@ class KVCacheManager:
         self.prefix_caching = prefix_caching
         self.pool = BlockPool(num_blocks)
         self.index = PrefixIndex()
+        # External restoration: blocks the local index misses come from the store if it has them.
+        self.store = store
 
     def _namespace(self, seq: Sequence) -> KeyNamespace:
         return KeyNamespace(model=self.model_fingerprint, tenant_salt=seq.request.tenant_salt)
@@ -58,7 +66,11 @@ class KVCacheManager:
         for block_id in hit_ids:
             self.pool.acquire(block_id)
         seq.block_table = hit_ids + self._allocate(num_new)
-        seq.num_computed = len(hit_ids) * bs
+        restored = 0
+        if self.store is not None:
+            restored = self.store.restore(seq, len(hit_ids), max_hit_blocks)
+        seq.num_computed = (len(hit_ids) + restored) * bs
+        seq.num_restored = restored * bs
         seq.num_registered_blocks = len(hit_ids)
         return True
 
@@ -114,15 +126,20 @@ class KVCacheManager:
                 seq.block_keys[i], seq.token_ids[i * bs : (i + 1) * bs], seq.block_table[i]
             )
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        if self.store is not None:
+            self.store.publish(seq, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; cached ones stay reusable until evicted.
 
         Released tail first, so a shared prefix outlives the private tails behind it.
         """
+        if self.store is not None:
+            self.store.release(seq)
         self.pool.release(reversed(seq.block_table))
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_restored = 0
         seq.num_registered_blocks = 0
 
     def _allocate(self, num: int) -> list[int]:

@@ -58,6 +58,8 @@ class RequestStats:
     computed_tokens: int = 0
     # Prompt tokens whose KV came from the prefix cache or, for a fork, from its parent.
     reused_tokens: int = 0
+    # Prompt tokens whose KV was restored from the external store (kmesh store serve).
+    restored_tokens: int = 0
     output_tokens: int = 0
     # From submission to the first token, and to the end.
     first_token_seconds: float = 0.0

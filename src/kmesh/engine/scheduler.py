@@ -65,7 +65,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             # After a preemption this counts again what is recomputed or reused.
-            seq.stats.reused_tokens += min(seq.num_computed, seq.num_prompt)
+            seq.stats.restored_tokens += seq.num_restored
+            seq.stats.reused_tokens += min(seq.num_computed, seq.num_prompt) - seq.num_restored
             seq.stats.computed_tokens += max(0, seq.num_prompt - seq.num_computed)
             seq.status = Status.RUNNING
             self.running.append(seq)

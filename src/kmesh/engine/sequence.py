@@ -29,6 +29,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Tokens whose KV is in the block table (reused or computed).
     num_computed: int = 0
+    # Of those, tokens restored from the external store at admission.
+    num_restored: int = 0
     # Chained keys of this sequence's full blocks, as far as they have been computed.
     block_keys: list[BlockHash] = field(default_factory=list)
     # Leading blocks of block_table already offered to the prefix index.

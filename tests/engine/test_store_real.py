@@ -1,0 +1,45 @@
+"""Two `kmesh generate` processes sharing one store, on the embedded model (issue: external
+restoration): the second restores the first's 2048-token prompt state instead of computing it."""
+
+import json
+
+import pytest
+
+from kmesh.engine.engine import Engine
+from kmesh.engine.request import Request, SamplingParams
+from tests.conftest import run_kmesh
+
+SENTENCES = (
+    "The river rose three feet overnight and the bridge inspectors closed the east lane. ",
+    "Farmers moved their equipment to higher ground while the council met in emergency session. ",
+    "By noon the mayor had asked the state for sandbags, pumps and two engineering crews. ",
+)
+
+
+def _long_text(tokenizer, tokens: int) -> str:
+    text = ""
+    i = 0
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += SENTENCES[i % len(SENTENCES)]
+        i += 1
+    return text
+
+
+@pytest.mark.model
+def test_a_second_process_restores_a_2048_token_prompt(real_model, store):
+    text = _long_text(real_model.tokenizer, 2048)
+    ids = real_model.tokenizer(text)["input_ids"]
+    args = ("generate", text, "--max-tokens", "16", "--json", "--store", store.socket)
+    first = run_kmesh(*args)
+    assert first.returncode == 0, first.stderr
+    second = run_kmesh(*args)
+    assert second.returncode == 0, second.stderr
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    full_blocks = (len(ids) - 1) // 16
+    assert a["stats"]["restored_tokens"] == 0
+    assert b["stats"]["restored_tokens"] == full_blocks * 16
+    assert b["stats"]["computed_tokens"] == len(ids) - full_blocks * 16
+    cold = Engine(real_model.executor, real_model.fingerprint).generate(
+        [Request("cold", tuple(ids), SamplingParams(max_tokens=16))]
+    )[0]
+    assert a["token_ids"] == b["token_ids"] == list(cold.output_ids)
