@@ -2,11 +2,9 @@
 real store process per test (`python -m kmesh.cli store serve`, killed at teardown)."""
 
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,8 @@ from kmesh.compute.loader import LoadedModel, load_model
 from kmesh.compute.tiny import tiny_executor
 from kmesh.engine.engine import Engine
 from kmesh.store import StoreClient
+from kmesh.store.process import StoreProcess as RunningStore
+from kmesh.store.process import start_store as start_running_store
 
 
 @pytest.fixture(scope="session")
@@ -89,48 +89,17 @@ def synthetic_allgather_turns(agents: int = 3, rounds: int = 3, order: str = "sh
     return turns
 
 
-START_TIMEOUT_S = 20.0
-
-
 @dataclass
-class StoreProcess:
-    socket: str
-    process: subprocess.Popen[bytes]
-    log: Path
+class StoreProcess(RunningStore):
+    """A test's store process, with a client factory."""
 
     def client(self, tenant: str | None = None, timeout: float = 5.0) -> StoreClient:
         return StoreClient(self.socket, tenant=tenant, timeout=timeout)
 
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(timeout)
-
 
 def start_store(directory: Path, capacity: str = "16M", lease: float | None = None) -> StoreProcess:
-    path = directory / "store.sock"
-    log = directory / "store.log"
-    command = [sys.executable, "-m", "kmesh.cli", "store", "serve"]
-    command += ["--socket", str(path), "--capacity", capacity]
-    if lease is not None:
-        command += ["--lease", str(lease)]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    store = StoreProcess(str(path), process, log)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while "listening on" not in store.log_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            store.stop(signal.SIGKILL)
-            raise RuntimeError(f"the store did not start:\n{store.log_text()}")
-        time.sleep(0.02)
-    return store
+    running = start_running_store(directory, capacity, lease)
+    return StoreProcess(running.socket, running.process, running.log)
 
 
 @pytest.fixture

@@ -189,6 +189,25 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         print(f"wrote {write_report(report, Path(args.report))}")
 
 
+def _bench_restore(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.restore import print_restore, run_restore_bench
+
+    try:
+        sizes = [int(part) for part in args.tokens.split(",")]
+    except ValueError:
+        raise InvalidRequestError(
+            f"--tokens takes sizes separated by commas, like 1024,4096; got {args.tokens!r}"
+        ) from None
+    if any(n < 16 for n in sizes) or args.concurrency < 1:
+        raise InvalidRequestError("--tokens sizes must be >= 16 and --concurrency >= 1")
+    console = Console(stderr=True)
+    report = run_restore_bench(args.model, sizes, args.concurrency, progress=console.log)
+    print_restore(report, Console(width=None if sys.stdout.isatty() else 160))
+    write_json(args.json, report)
+
+
 def _store_serve(args: argparse.Namespace) -> None:
     from kmesh.store.server import parse_size, serve
 
@@ -345,6 +364,17 @@ def build_parser() -> argparse.ArgumentParser:
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
     gather.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     gather.set_defaults(func=_bench_allgather)
+
+    restore = benches.add_parser(
+        "restore", help="restore keyed state from a store vs recompute it; singleflight"
+    )
+    restore.add_argument("--tokens", default="1024,4096,16384", help="prompt sizes")
+    restore.add_argument(
+        "--concurrency", type=int, default=8, help="engine processes asking for one prompt"
+    )
+    restore.add_argument("--json", required=True, help="where to write the report")
+    restore.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    restore.set_defaults(func=_bench_restore)
 
     store = commands.add_parser("store", help="the shared state store")
     store_commands = store.add_subparsers(dest="store_command", required=True)

@@ -89,6 +89,11 @@ class Engine:
         # Tenant salt of every retained (forkable) state: forks must carry the same.
         self._state_salts: dict[str, str | None] = {}
 
+    def close(self) -> None:
+        """Close the store connections, if any (they reopen on the next use)."""
+        if self.store is not None:
+            self.store.close()
+
     @property
     def kv_bytes_per_block(self) -> int:
         return self.cache.bytes_per_block

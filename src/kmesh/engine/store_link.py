@@ -47,8 +47,9 @@ class StoreLink:
         self._clients: dict[str | None, StoreClient] = {}
         self._claims: dict[int, _Claims] = {}  # by id(seq)
         k = cache.k
-        self._shape = (2, k.shape[0], cache.block_size, k.shape[2], k.shape[3])
-        self._meta = {"dtype": str(k.dtype), "shape": list(self._shape)}
+        # A block's payload: K and V of every layer.
+        self.block_shape = (2, k.shape[0], cache.block_size, k.shape[2], k.shape[3])
+        self.meta = {"dtype": str(k.dtype), "shape": list(self.block_shape)}
 
     def restore(self, seq: Sequence, first: int, last: int) -> int:
         """Fill blocks [first, last) of the sequence from the store, in order, as far as the store
@@ -67,12 +68,12 @@ class StoreLink:
                 self._claims[id(seq)] = _Claims({start + i: key for i, key in enumerate(got.lead)})
             for hit in got.hits:
                 with client.read(hit) as entry:
-                    if entry.meta != self._meta:
+                    if entry.meta != self.meta:
                         # Another layout under the same key (e.g. another dtype): compute the
                         # rest here and lead nothing.
                         self.release(seq)
                         break
-                    self._write_block(seq.block_table[first + restored], entry.data)
+                    self.write_block(seq.block_table[first + restored], entry.data)
                 restored += 1
             return restored
         except StoreError as error:
@@ -94,7 +95,7 @@ class StoreLink:
                     np.frombuffer(target, dtype=np.uint8)[:] = payload.reshape(-1)
 
                 try:
-                    client.publish_into(key, payload.nbytes, write, self._meta)
+                    client.publish_into(key, payload.nbytes, write, self.meta)
                 except StoreRefused as refused:
                     log.info("kmesh store: keeping block %d local: %s", index, refused)
         except StoreError as error:
@@ -133,12 +134,12 @@ class StoreLink:
             self.release(seq)
         return restored
 
-    def _write_block(self, block_id: int, data: memoryview) -> None:
+    def write_block(self, block_id: int, data: memoryview) -> None:
         """Copy one block from shared memory into the cache (one copy, no intermediate)."""
         with warnings.catch_warnings():  # read-only shared memory: torch only reads from it
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             block = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
-        block = block.view(self.cache.k.dtype).view(self._shape)
+        block = block.view(self.cache.k.dtype).view(self.block_shape)
         slots = self.cache.slots([block_id], 0, self.cache.block_size)
         self.cache.k[:, slots] = block[0]
         self.cache.v[:, slots] = block[1]

@@ -1,0 +1,267 @@
+"""`kmesh bench restore`: getting keyed state back from the store vs computing it again.
+
+Per prompt size n (whole blocks of the model's KV, the engine's dtype):
+- restore (shared memory): an engine admits an n-token prompt whose blocks the store holds: one
+  acquire for the chain of keys, then per block a mapping of its segment, the checksum check and
+  one copy into the engine's paged cache (the engine's own path, engine/store_link.py);
+- restore (socket copy): the same blocks' bytes sent through a Unix socket (a socketpair between
+  two threads) and copied into the cache: what restoring costs when bytes cross a socket;
+- recompute: a prefill of the n tokens with the reference engine (only where n fits the model's
+  context).
+The stored blocks hold random values of the right layout: restoring does not look at values.
+
+Concurrency C: C engine processes send the same uncached prompt at once, each with the store:
+singleflight means exactly one computes and C - 1 restore, with identical outputs.
+"""
+
+import multiprocessing
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Column, Table
+
+from kmesh.bench.allgather import hardware
+from kmesh.compute.executor import Executor
+from kmesh.compute.loader import load_model
+from kmesh.compute.tiny import tiny_executor
+from kmesh.engine.engine import Engine
+from kmesh.engine.kv_manager import blocks_for
+from kmesh.engine.request import Request, SamplingParams
+from kmesh.engine.sequence import Sequence as EngineSequence
+from kmesh.state.keys import KeyNamespace, block_key
+from kmesh.store import StoreClient
+from kmesh.store.process import start_store
+
+TINY = "tiny"  # model spec of the tiny random-weight Llama (tests)
+
+
+def load_executor(model: str | None) -> tuple[Executor, str]:
+    """(executor, fingerprint) for a model folder, the embedded model (None) or TINY."""
+    if model == TINY:
+        return tiny_executor(seed=0)
+    loaded = load_model(model)
+    return loaded.executor, loaded.fingerprint
+
+
+def _prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, vocab, (n,), generator=generator).tolist())
+
+
+def _block_keys(engine: Engine, prompt: Sequence[int]) -> list[bytes]:
+    """The chained keys of the prompt's full blocks before its last token (what admit looks
+    up), under the engine's model and no tenant."""
+    bs = engine.kv.block_size
+    namespace = KeyNamespace(engine.kv.model_fingerprint)
+    keys: list[bytes] = []
+    parent = None
+    for i in range((len(prompt) - 1) // bs):
+        parent = block_key(namespace, parent, prompt[i * bs : (i + 1) * bs])
+        keys.append(parent)
+    return keys
+
+
+def _publish_random_blocks(socket_path: str, engine: Engine, prompt: Sequence[int]) -> int:
+    """Publish the prompt's full blocks with random values in the engine's layout."""
+    link = engine.store
+    assert link is not None
+    keys = _block_keys(engine, prompt)
+    block = torch.randn(link.block_shape, dtype=engine.cache.k.dtype).numpy().tobytes()
+    with StoreClient(socket_path) as client:
+        got = client.acquire(keys)
+        for key in got.lead:
+            client.publish(key, block, link.meta)
+    return len(keys)
+
+
+def _restore_shm(engine: Engine, prompt: tuple[int, ...]) -> tuple[float, int]:
+    seq = EngineSequence.from_request(Request("restore", prompt, SamplingParams(max_tokens=1)))
+    started = time.perf_counter()
+    if not engine.kv.admit(seq):
+        raise RuntimeError("the engine's cache cannot hold the prompt")
+    seconds = time.perf_counter() - started
+    restored = seq.num_restored
+    engine.kv.free(seq)
+    return seconds, restored
+
+
+def _restore_socket(socket_path: str, engine: Engine, prompt: tuple[int, ...]) -> float:
+    """The same blocks, their bytes through a socketpair, copied into the engine's cache."""
+    link = engine.store
+    assert link is not None
+    with StoreClient(socket_path) as client:
+        hits = client.acquire(_block_keys(engine, prompt)).hits
+    block_ids = engine.kv.pool.allocate(len(hits))
+    sender, receiver = socket.socketpair()
+
+    def send() -> None:
+        with StoreClient(socket_path) as client, sender:
+            for hit in hits:
+                with client.read(hit) as entry:
+                    sender.sendall(entry.data)
+
+    started = time.perf_counter()
+    thread = threading.Thread(target=send)
+    thread.start()
+    buffer = bytearray(hits[0].size)
+    view = memoryview(buffer)
+    with receiver:
+        for block_id in block_ids:
+            received = 0
+            while received < len(buffer):
+                received += receiver.recv_into(view[received:], len(buffer) - received)
+            link.write_block(block_id, view)
+    thread.join()
+    seconds = time.perf_counter() - started
+    engine.kv.pool.release(block_ids)
+    return seconds
+
+
+def _recompute(executor: Executor, fingerprint: str, prompt: tuple[int, ...]) -> float:
+    engine = Engine(executor, fingerprint, kv_cache_tokens=len(prompt) + 64)
+    started = time.perf_counter()
+    engine.generate([Request("recompute", prompt, SamplingParams(max_tokens=1))])
+    return time.perf_counter() - started
+
+
+def _client(
+    model: str | None,
+    socket_path: str,
+    prompt: tuple[int, ...],
+    barrier: Any,
+    results: Any,
+) -> None:
+    """One concurrent engine process: load, wait for all, generate through the store."""
+    executor, fingerprint = load_executor(model)
+    engine = Engine(executor, fingerprint, kv_cache_tokens=len(prompt) + 64, store=socket_path)
+    barrier.wait(timeout=600)
+    out = engine.generate([Request(f"c{os.getpid()}", prompt, SamplingParams(max_tokens=8))])[0]
+    results.put((out.stats.restored_tokens, out.stats.computed_tokens, list(out.output_ids)))
+
+
+def concurrency(
+    model: str | None, socket_path: str, prompt: tuple[int, ...], clients: int
+) -> dict[str, Any]:
+    """`clients` engine processes, one prompt, one store: who computed, who restored."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(clients)
+    results = context.Queue()
+    workers = [
+        context.Process(target=_client, args=(model, socket_path, prompt, barrier, results))
+        for _ in range(clients)
+    ]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    answers = [results.get(timeout=900) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    computed = sum(1 for restored, _, _ in answers if restored == 0)
+    return {
+        "clients": clients,
+        "prompt_tokens": len(prompt),
+        "computed": computed,
+        "restored": clients - computed,
+        "outputs_identical": all(a[2] == answers[0][2] for a in answers),
+        "seconds_including_model_loads": round(time.perf_counter() - started, 2),
+    }
+
+
+def run_restore_bench(
+    model: str | None,
+    sizes: Sequence[int],
+    clients: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    executor, fingerprint = load_executor(model)
+    cfg = executor.config
+    largest = max(sizes)
+    block_bytes = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    capacity = str(2 * blocks_for(largest, 16) * block_bytes + (64 << 20))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kmr-") as directory:
+        store = start_store(Path(directory), capacity)
+        try:
+            for n in sizes:
+                progress(f"{n} tokens")
+                prompt = _prompt(n + 1, cfg.vocab_size, seed=n)
+                engine = Engine(executor, fingerprint, kv_cache_tokens=n + 64, store=store.socket)
+                blocks = _publish_random_blocks(store.socket, engine, prompt)
+                shm_seconds, restored = _restore_shm(engine, prompt)
+                socket_seconds = _restore_socket(store.socket, engine, prompt)
+                engine.close()
+                fits = n + 1 <= cfg.max_position
+                recompute = _recompute(executor, fingerprint, prompt) if fits else None
+                rows.append(
+                    {
+                        "tokens": n,
+                        "blocks": blocks,
+                        "restored_tokens": restored,
+                        "bytes": blocks * block_bytes,
+                        "restore_shm_seconds": round(shm_seconds, 4),
+                        "restore_socket_seconds": round(socket_seconds, 4),
+                        "recompute_seconds": None if recompute is None else round(recompute, 3),
+                        "recompute_note": None
+                        if fits
+                        else f"exceeds the model's {cfg.max_position}-token context",
+                        "recompute_over_restore_shm": None
+                        if recompute is None
+                        else round(recompute / shm_seconds, 1),
+                    }
+                )
+            progress(f"concurrency: {clients} engine processes, one {sizes[0]}-token prompt")
+            together = concurrency(
+                model, store.socket, _prompt(sizes[0] + 1, cfg.vocab_size, seed=-1), clients
+            )
+        finally:
+            store.stop()
+    return {
+        "hardware": hardware(),
+        "note": (
+            "CPU figures are functional/trend results; restore copies real-sized blocks of "
+            "random values"
+        ),
+        "config": {"tokens": list(sizes), "concurrency": clients, "model": fingerprint},
+        "sizes": rows,
+        "concurrency": together,
+    }
+
+
+def print_restore(report: dict[str, Any], console: Console) -> None:
+    table = Table(
+        Column("tokens", justify="right"),
+        Column("MiB", justify="right"),
+        Column("restore shm s", justify="right"),
+        Column("restore socket s", justify="right"),
+        Column("recompute s", justify="right"),
+        Column("recompute / shm", justify="right"),
+        title="bench restore: keyed state from the store vs computing it again",
+    )
+    for row in report["sizes"]:
+        recompute = row["recompute_seconds"]
+        table.add_row(
+            str(row["tokens"]),
+            f"{row['bytes'] / 2**20:.0f}",
+            f"{row['restore_shm_seconds']:.3f}",
+            f"{row['restore_socket_seconds']:.3f}",
+            "n/a" if recompute is None else f"{recompute:.2f}",
+            "n/a" if recompute is None else f"{row['recompute_over_restore_shm']:.0f}x",
+        )
+    console.print(table)
+    for row in report["sizes"]:
+        if row["recompute_note"]:
+            console.print(f"{row['tokens']} tokens: recompute n/a, {row['recompute_note']}")
+    c = report["concurrency"]
+    console.print(
+        f"concurrency: {c['clients']} engine processes, one {c['prompt_tokens']}-token prompt: "
+        f"{c['computed']} computed, {c['restored']} restored, outputs identical: "
+        f"{'yes' if c['outputs_identical'] else 'NO'}"
+    )
