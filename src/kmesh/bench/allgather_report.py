@@ -106,6 +106,13 @@ def _comparison_items(result: dict[str, Any]) -> list[str]:
     ]
 
 
+SWEEP_LEGEND = (
+    "The ratio is per_request's recompute ratio (per agent); collective's agent ratio (each "
+    "agent's blocks recomputed, the shared step as configured); collective_shared's shared "
+    "ratio (the round's outputs recovered once from their stored KV, no per-agent correction)."
+)
+
+
 def _sweep_rows(sweep: list[dict[str, Any]]) -> Rows:
     return [
         [
@@ -177,12 +184,17 @@ def _plot_quality_vs_ratio(sweep: list[dict[str, Any]], path: Path) -> None:
             (point["ratio"], max(quality["kl_mean"], KL_FLOOR), quality["greedy_match_32"])
         )
     figure, (kl_axes, greedy_axes) = _figure(2)
+    # Colour by policy, line style by strategy (lines may overlap).
+    policies = sorted({policy for policy, _ in lines})
+    styles = ["-", "--", ":", "-."]
+    strategies = sorted({strategy for _, strategy in lines})
     for (policy, strategy), points in lines.items():
         ratios, kls, greedy = zip(*sorted(points), strict=True)
         style = {
             "label": f"{policy} / {strategy}",
             "marker": "o",
-            "linestyle": "--" if strategy == "per_request" else "-",  # lines may overlap
+            "color": f"C{policies.index(policy)}",
+            "linestyle": styles[strategies.index(strategy) % len(styles)],
         }
         kl_axes.plot(ratios, kls, **style)
         greedy_axes.plot(ratios, greedy, **style)
@@ -258,6 +270,7 @@ def write_report(result: dict[str, Any], out_dir: Path) -> Path:
         _plot_quality_vs_ratio(sweep, out_dir / "quality_vs_ratio.png")
         sections += [
             "## Quality vs recompute ratio",
+            SWEEP_LEGEND,
             _markdown_table(SWEEP_HEADER, _sweep_rows(sweep)),
             "![KL mean and greedy match vs recompute ratio](quality_vs_ratio.png)",
         ]
