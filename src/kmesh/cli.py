@@ -127,7 +127,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from kmesh.bench.allgather import AllGatherBenchConfig, run_allgather_bench
-    from kmesh.bench.allgather_report import print_table, write_report
+    from kmesh.bench.allgather_report import print_table, report_console, write_report
     from kmesh.compute.loader import load_model
     from kmesh.engine.engine import Engine
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace, load_trace
@@ -183,7 +183,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         others,
         progress=console.log,
     )
-    print_table(report, Console(width=None if sys.stdout.isatty() else 160))
+    print_table(report, report_console())
     write_json(args.json, report)
     if args.report is not None:
         print(f"wrote {write_report(report, Path(args.report))}")
@@ -192,6 +192,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
 def _bench_restore(args: argparse.Namespace) -> None:
     from rich.console import Console
 
+    from kmesh.bench.allgather_report import report_console
     from kmesh.bench.restore import print_restore, run_restore_bench
 
     try:
@@ -204,7 +205,7 @@ def _bench_restore(args: argparse.Namespace) -> None:
         raise InvalidRequestError("--tokens sizes must be >= 16 and --concurrency >= 1")
     console = Console(stderr=True)
     report = run_restore_bench(args.model, sizes, args.concurrency, progress=console.log)
-    print_restore(report, Console(width=None if sys.stdout.isatty() else 160))
+    print_restore(report, report_console())
     write_json(args.json, report)
 
 

@@ -7,10 +7,8 @@ default policy. Prints the table and writes report.md with plots.
 
 from pathlib import Path
 
-from rich.console import Console
-
 from kmesh.bench.allgather import AllGatherBenchConfig, run_allgather_bench
-from kmesh.bench.allgather_report import print_table, write_report
+from kmesh.bench.allgather_report import print_table, report_console, write_report
 from kmesh.compute.loader import load_model
 from kmesh.engine.engine import Engine
 from kmesh.engine.llm import LLM
@@ -21,7 +19,7 @@ REPORT_DIR = Path("kmesh-demo-report")
 
 
 def run_demo(model: str | None = None, report_dir: Path = REPORT_DIR) -> None:
-    console = Console()
+    console = report_console()
     console.rule("KMesh demo: reference engine on the embedded model")
     loaded = load_model(model)
     llm = LLM(loaded)
