@@ -26,7 +26,8 @@ def _long_text(tokenizer, tokens: int) -> str:
 
 
 @pytest.mark.model
-def test_a_second_process_restores_a_2048_token_prompt(real_model, store):
+def test_a_second_process_restores_a_2048_token_prompt(real_model, store_factory):
+    store = store_factory(capacity="256M")  # 129 blocks of 720 KiB
     text = _long_text(real_model.tokenizer, 2048)
     ids = real_model.tokenizer(text)["input_ids"]
     args = ("generate", text, "--max-tokens", "16", "--json", "--store", store.socket)
