@@ -5,6 +5,7 @@ import signal
 from pathlib import Path
 
 from kmesh.engine.request import Request, SamplingParams
+from kmesh.engine.sequence import Sequence
 from kmesh.state.keys import KeyNamespace, block_key
 from kmesh.store.tier import SHM_DIR
 from tests.conftest import random_tokens
@@ -60,3 +61,18 @@ def test_a_corrupted_entry_is_dropped_and_recomputed(tiny, make_tiny_engine, sto
     with store.client() as client:  # the entry was dropped: a plain miss now
         got = client.acquire([first_key])
         assert got.hits == () and got.lead == (first_key,)
+
+
+def test_a_store_that_dies_between_claim_and_publish_is_dropped_quietly(make_tiny_engine, store):
+    engine = make_tiny_engine(store=store.socket)
+    prompt = PROMPT[:20]  # one full block: the failing publish is its last claim
+    seq = Sequence.from_request(Request("r", prompt, PARAMS))
+    assert engine.kv.admit(seq)  # a miss: this engine now leads the prompt's full block
+    store.stop(signal.SIGKILL)
+    seq.num_computed = len(prompt)  # as if the runner had computed it
+    engine.kv.register_full_blocks(seq)  # the publish fails: no error, the store is dropped
+    engine.kv.free(seq)
+    assert engine.store is not None and not engine.store.available
+    other = tuple(random_tokens(70, seed=12))  # (the block above holds no real KV)
+    cold = _run(make_tiny_engine(), prompt=other)
+    assert _run(engine, prompt=other).output_ids == cold.output_ids  # it goes on without it

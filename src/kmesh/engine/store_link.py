@@ -99,7 +99,8 @@ class StoreLink:
                 except StoreRefused as refused:
                     log.info("kmesh store: keeping block %d local: %s", index, refused)
         except StoreError as error:
-            self._failed(seq, error, 0)
+            self._failed(seq, error, 0)  # forgets the sequence's claims
+            return
         if not claims.keys:
             del self._claims[id(seq)]
 
