@@ -36,7 +36,6 @@ from kmesh.engine.engine import Engine
 from kmesh.engine.kv_manager import blocks_for
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.engine.sequence import Sequence as EngineSequence
-from kmesh.state.keys import KeyNamespace, block_key
 from kmesh.store import StoreClient
 from kmesh.store.process import start_store
 
@@ -58,15 +57,10 @@ def _prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
 
 def _block_keys(engine: Engine, prompt: Sequence[int]) -> list[bytes]:
     """The chained keys of the prompt's full blocks before its last token (what admit looks
-    up), under the engine's model and no tenant."""
-    bs = engine.kv.block_size
-    namespace = KeyNamespace(engine.kv.model_fingerprint)
-    keys: list[bytes] = []
-    parent = None
-    for i in range((len(prompt) - 1) // bs):
-        parent = block_key(namespace, parent, prompt[i * bs : (i + 1) * bs])
-        keys.append(parent)
-    return keys
+    up), computed by the engine's own KV manager."""
+    seq = EngineSequence.from_request(Request("keys", tuple(prompt), SamplingParams(max_tokens=1)))
+    engine.kv.extend_keys(seq, (len(prompt) - 1) // engine.kv.block_size)
+    return [bytes(key) for key in seq.block_keys]
 
 
 def _publish_random_blocks(socket_path: str, engine: Engine, prompt: Sequence[int]) -> int:

@@ -36,7 +36,8 @@ class KVCacheManager:
     def _namespace(self, seq: Sequence) -> KeyNamespace:
         return KeyNamespace(model=self.model_fingerprint, tenant_salt=seq.request.tenant_salt)
 
-    def _extend_keys(self, seq: Sequence, num_full_blocks: int) -> None:
+    def extend_keys(self, seq: Sequence, num_full_blocks: int) -> None:
+        """Compute the chained keys of the sequence's first `num_full_blocks` full blocks."""
         bs = self.block_size
         namespace = self._namespace(seq)
         while len(seq.block_keys) < num_full_blocks:
@@ -54,7 +55,7 @@ class KVCacheManager:
         bs = self.block_size
         num_tokens = len(seq.token_ids)
         max_hit_blocks = (num_tokens - 1) // bs if self.prefix_caching else 0
-        self._extend_keys(seq, max_hit_blocks)
+        self.extend_keys(seq, max_hit_blocks)
         hit_ids = self.index.match(
             seq.block_keys[:max_hit_blocks],
             [seq.token_ids[i * bs : (i + 1) * bs] for i in range(max_hit_blocks)],
@@ -119,7 +120,7 @@ class KVCacheManager:
         if not self.prefix_caching:
             return
         num_full = seq.num_computed // self.block_size
-        self._extend_keys(seq, num_full)
+        self.extend_keys(seq, num_full)
         bs = self.block_size
         for i in range(seq.num_registered_blocks, num_full):
             self.index.insert(
