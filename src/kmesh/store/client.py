@@ -167,7 +167,7 @@ _meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 _SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")
 
 
-def _map(name: str, writable: bool) -> mmap.mmap:
+def map_segment(name: str, writable: bool) -> mmap.mmap:
     """Map one of the store's segments (POSIX shared memory, made by the store with
     multiprocessing.shared_memory) from its file in /dev/shm; a reader's mapping is read-only.
     SharedMemory(name) would map the same memory, but Python 3.11 registers every segment it
@@ -183,6 +183,26 @@ def _map(name: str, writable: bool) -> mmap.mmap:
         return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
+
+
+def write_segment(
+    name: str, key: bytes, size: int, meta_bytes: bytes, write: Callable[[memoryview], None]
+) -> int:
+    """Fill a reserved segment in place with `write` (keep no view of it) and return the
+    checksum to commit. StoreUnavailable if the segment is gone."""
+    try:
+        mapping = map_segment(name, writable=True)
+    except OSError as error:
+        raise StoreUnavailable(f"the reserved segment is gone: {error}") from None
+    try:
+        target = memoryview(mapping)[:size]
+        try:
+            write(target)
+            return checksum(key, meta_bytes, target)
+        finally:
+            target.release()
+    finally:
+        mapping.close()
 
 
 def _check_key(key: bytes) -> bytes:
@@ -203,7 +223,8 @@ def _check_name(what: str, name: str) -> str:
     return name
 
 
-def _encode_meta(meta: Mapping[str, Any] | None) -> bytes:
+def encode_meta(meta: Mapping[str, Any] | None) -> bytes:
+    """A publish's meta as the bytes its checksum covers (empty for none)."""
     if not meta:
         return b""
     encoded = msgspec.msgpack.encode(dict(meta))
@@ -255,7 +276,7 @@ class StoreClient:
         """Map a hit's bytes and check them against its checksum (CRC-32, see protocol.py).
         A mismatch is reported to the store, which drops the entry; both raise EntryLost."""
         try:
-            mapping = _map(hit.name, writable=False)
+            mapping = map_segment(hit.name, writable=False)
         except OSError as error:
             raise EntryLost(
                 f"entry {_short(hit.key)} is gone (evicted, dropped or the store stopped): {error}"
@@ -307,35 +328,40 @@ class StoreClient:
         shape...). With `family`, the entry is pinned for it. StoreRefused if the store cannot
         fit it even after eviction (or the claim is gone); if `write` raises, the key is
         abandoned."""
+        if family is not None:
+            _check_name("family", family)
+        meta_bytes = encode_meta(meta)
+        name = self.reserve(key, size)
+        try:
+            crc = write_segment(name, key, size, meta_bytes, write)
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                self.abandon([key])
+            raise
+        self.commit(key, crc, meta_bytes, family)
+
+    def reserve(self, key: bytes, size: int) -> str:
+        """Reserve `size` bytes of shared memory for a led key; returns the segment's name, to
+        fill with write_segment (in this process or another) and then `commit`. StoreRefused if
+        it cannot fit even after eviction (the claim is then released) or the claim is gone."""
         key = _check_key(key)
         if size < 1:
             raise ValueError(f"a payload needs at least one byte, got size {size}")
-        if family is not None:
-            _check_name("family", family)
-        meta_bytes = _encode_meta(meta)
         answer = self._call(Reserve(key, size, tenant=self.tenant))
         if isinstance(answer, Refused):
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Reserved):
             raise self._unexpected(answer)
-        try:
-            try:
-                mapping = _map(answer.name, writable=True)
-            except OSError as error:
-                raise StoreUnavailable(f"the reserved segment is gone: {error}") from None
-            try:
-                target = memoryview(mapping)[:size]
-                try:
-                    write(target)
-                    crc = checksum(key, meta_bytes, target)
-                finally:
-                    target.release()
-            finally:
-                mapping.close()
-        except BaseException:
-            with contextlib.suppress(StoreError):
-                self.abandon([key])
-            raise
+        return answer.name
+
+    def commit(
+        self, key: bytes, crc: int, meta_bytes: bytes = b"", family: str | None = None
+    ) -> None:
+        """Make a reserved, written key visible; `crc` is what write_segment returned and
+        `meta_bytes` what encode_meta gave it. With `family`, the entry is pinned for it."""
+        key = _check_key(key)
+        if family is not None:
+            _check_name("family", family)
         answer = self._call(Commit(key, crc, meta_bytes, family, tenant=self.tenant))
         if isinstance(answer, Refused):
             raise StoreRefused(answer.code, answer.reason)

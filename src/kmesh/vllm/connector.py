@@ -1,0 +1,135 @@
+"""KMeshConnector: KMesh's keyed-state store inside vLLM 0.32, through the KV connector API.
+
+Load it with `kv_transfer_config={"kv_connector": "KMeshConnector", "kv_connector_module_path":
+"kmesh.vllm.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {"store": "/path/to/store.sock"}}` (kmesh.vllm.config builds it),
+or by name alone once kmesh is installed (the `vllm.general_plugins` entry point registers it).
+vLLM makes one instance per role: the scheduler role (scheduler_side.py: keys, store protocol,
+families, stats) and the worker role (worker_side.py: block copies). Without a store it only
+reports per-request stats. Each finished request's output carries
+`kv_transfer_params["kmesh"]` = {prompt_tokens, reused_tokens, restored_tokens, computed_tokens,
+family}.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.platforms import current_platform
+
+from kmesh.state.request_meta import KMESH_PARAMS_KEY
+from kmesh.vllm.layout import BlockLayout
+from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
+from kmesh.vllm.scheduler_side import SchedulerSide
+from kmesh.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KMeshConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        store = self._kv_transfer_config.get_from_extra_config("store", None)
+        layout = BlockLayout.of(kv_cache_config, vllm_config.cache_config.block_size)
+        platform = str(current_platform.device_type)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            model = vllm_config.model_config
+            self._scheduler = SchedulerSide(store, layout, platform, model.dtype, model.model)
+        else:
+            self._worker = WorkerSide(store, layout, platform)
+
+    # -- worker role ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker_side.load(self._metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, done in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks are saved after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker_side.save(self._metadata)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KMeshWorkerMetadata | None:
+        return self._worker_side.take_saved()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # -- scheduler role ------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler_side.bind_block_ids(kv_cache_manager.get_block_ids)
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        side = self._scheduler_side
+        if connector_output.invalid_block_ids:
+            side.load_failed(connector_output.invalid_block_ids)
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, KMeshWorkerMetadata):
+            side.update_connector_output(worker_meta.saved)
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, {KMESH_PARAMS_KEY: self._scheduler_side.request_finished(request)}
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @property
+    def _metadata(self) -> KMeshConnectorMetadata:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KMeshConnectorMetadata)
+        return metadata
+
+    @property
+    def _scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-role call on the worker connector"
+        return self._scheduler
+
+    @property
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-role call on the scheduler connector"
+        return self._worker

@@ -1,0 +1,50 @@
+"""What the connector's two halves tell each other each step.
+
+Scheduler -> worker (KMeshConnectorMetadata): the blocks to fill from the store before the
+forward pass, and the blocks to copy into segments the store reserved after it. Worker ->
+scheduler (KMeshWorkerMetadata): the checksum of each copied block (to commit it) or None (to
+abandon it). The store protocol (claims, commits, pins) stays on the scheduler side; the worker
+only moves bytes between shared memory and vLLM's KV cache.
+"""
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kmesh.store import Hit
+
+# (tenant salt, key): entries are filed per tenant in the store.
+TenantKey = tuple[str | None, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBlock:
+    tenant: str | None
+    block_id: int
+    hit: Hit
+
+
+@dataclass(frozen=True, slots=True)
+class SaveBlock:
+    tenant: str | None
+    block_id: int
+    key: bytes
+    segment: str  # reserved by the scheduler side
+
+
+@dataclass
+class KMeshConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadBlock] = field(default_factory=list)
+    saves: list[SaveBlock] = field(default_factory=list)
+
+
+@dataclass
+class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
+    saved: dict[TenantKey, int | None] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KMeshWorkerMetadata)
+        return KMeshWorkerMetadata({**self.saved, **other.saved})

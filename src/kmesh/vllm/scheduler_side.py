@@ -1,0 +1,338 @@
+"""The connector's scheduler half: keys, the store protocol, families and per-request stats.
+
+For each waiting request, vLLM reports its local prefix-cache hit (whole blocks); the blocks after
+it are looked up in the store by chained SHA-256 block keys over (model fingerprint, LoRA adapter
+name and path, cache_salt, parent key, block tokens):
+- published blocks are claimed as a hit and loaded by the worker half before the forward pass
+  (vLLM computes at least the prompt's last token, so at most the full blocks before it load);
+- if another engine is computing the next block, the request waits ("ask again later": vLLM keeps
+  it queued and asks each step), so across engines a shared trunk is computed once;
+- the blocks no one has, this engine claims: once vLLM has computed one, the scheduler reserves a
+  segment, the worker copies the block into it, and the scheduler commits it with its checksum.
+Every store failure falls back to vLLM computing the tokens itself.
+
+Families (see kmesh.state.request_meta): the trunk's blocks (the leading shared segments, or the
+whole prompt without segments) are pinned in the store for the family while it is open here.
+"""
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kmesh.compute.loader import fingerprint_files
+from kmesh.errors import KMeshError
+from kmesh.state.keys import BlockHash, KeyNamespace, block_key
+from kmesh.state.request_meta import (
+    KMESH_PARAMS_KEY,
+    KMeshParams,
+    encode_segments,
+    parse_kmesh_params,
+)
+from kmesh.store import Hit, StoreClient, StoreError, StoreRefused, StoreUnavailable
+from kmesh.store.client import encode_meta
+from kmesh.vllm.layout import BlockLayout
+from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock, TenantKey
+
+log = logging.getLogger(__name__)
+
+# While nothing of this engine runs, a request whose blocks another engine computes waits in the
+# store this long per scheduler step instead of spinning.
+IDLE_WAIT_S = 0.2
+# A request stops waiting for another engine after this long and computes the blocks itself.
+MAX_WAIT_S = 60.0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the scheduler side knows of one request."""
+
+    tenant: str | None
+    params: KMeshParams | None
+    keys: list[BlockHash]  # chained keys of the prompt's full blocks
+    trunk_blocks: int  # the family's pinned blocks: keys[:trunk_blocks]
+    local_tokens: int = 0  # vLLM's local prefix-cache hit
+    hits: list[Hit] = field(default_factory=list)  # loadable store hits after the local hit
+    loaded_tokens: int = 0
+    loaded_block_ids: set[int] = field(default_factory=set)
+    lead: dict[int, bytes] = field(default_factory=dict)  # block index -> key this request leads
+    waiting_since: float | None = None
+    running: bool = False
+
+
+class SchedulerSide:
+    def __init__(
+        self, store: str | None, layout: BlockLayout, platform: str, dtype: Any, model: str
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.meta_bytes = encode_meta(layout.meta(platform, dtype))
+        self.model = model
+        self.fingerprint = model_fingerprint(model)
+        self._tokenizer: Any = None
+        self._clients: dict[str | None, StoreClient] = {}
+        self._requests: dict[str, _Tracked] = {}
+        self._owner: dict[TenantKey, str] = {}  # keys this engine leads -> the leading request
+        self._reserved: dict[TenantKey, str] = {}  # segment reserved, waiting for the worker
+        self._loads: list[LoadBlock] = []
+        self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
+        self._families: dict[str, int] = defaultdict(int)  # finished requests per open family
+        self._family_tenants: dict[str, set[str | None]] = defaultdict(set)
+        self.available = store is not None
+
+    # -- vLLM's scheduler calls, forwarded by the connector ----------------------------------
+
+    def bind_block_ids(self, get_block_ids: Any) -> None:
+        """vLLM's KVCacheManager.get_block_ids: a request's block ids, per KV cache group."""
+        self._block_ids = get_block_ids
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracked = self._track(request)
+        tracked.local_tokens = num_computed_tokens
+        tracked.hits = []
+        if not self.available:
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        loadable = (request.num_prompt_tokens - 1) // self.block_size
+        keys = [bytes(k) for k in tracked.keys[first:]]
+        if first >= loadable or not keys:
+            return 0, False
+        try:
+            client = self._client(tracked.tenant)
+            got = client.acquire(keys)
+            if got.waiting_on is not None and first + len(got.hits) < loadable:
+                if tracked.waiting_since is None:
+                    tracked.waiting_since = time.monotonic()
+                if time.monotonic() - tracked.waiting_since < MAX_WAIT_S:
+                    if not any(t.running for t in self._requests.values()):
+                        got = client.wait(keys, timeout=IDLE_WAIT_S)
+                    if got.waiting_on is not None and first + len(got.hits) < loadable:
+                        return None, False
+            self._pin_trunk(client, tracked)
+        except StoreError as error:
+            self._failed(error)
+            return 0, False
+        request_id = request.request_id
+        for offset, key in enumerate(got.lead, start=first + len(got.hits)):
+            owner = self._owner.setdefault((tracked.tenant, key), request_id)
+            if owner == request_id:
+                tracked.lead[offset] = key
+        tracked.hits = list(got.hits[: max(0, loadable - first)])
+        return len(tracked.hits) * self.block_size, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self._requests[request.request_id]
+        if num_external_tokens <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = tracked.local_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        for i, hit in enumerate(tracked.hits[:count]):
+            self._loads.append(LoadBlock(tracked.tenant, block_ids[first + i], hit))
+            tracked.loaded_block_ids.add(block_ids[first + i])
+        tracked.loaded_tokens = count * self.block_size
+
+    def build_connector_meta(self, scheduler_output: Any) -> KMeshConnectorMetadata:
+        meta = KMeshConnectorMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for request_id, num_computed in scheduled:
+            tracked = self._requests.get(request_id)
+            if tracked is None:
+                continue
+            tracked.running = True
+            done = num_computed + scheduler_output.num_scheduled_tokens[request_id]
+            ready = [i for i in tracked.lead if (i + 1) * self.block_size <= done]
+            if ready and self.available:
+                meta.saves += self._reserve(request_id, tracked, ready)
+        return meta
+
+    def update_connector_output(self, saved: dict[TenantKey, int | None]) -> None:
+        for (tenant, key), crc in saved.items():
+            request_id = self._owner.pop((tenant, key), None)
+            self._reserved.pop((tenant, key), None)
+            if not self.available:
+                continue
+            tracked = self._requests.get(request_id) if request_id else None
+            family = None
+            if tracked is not None and tracked.params is not None:
+                index = next((i for i, k in enumerate(tracked.keys) if k == key), None)
+                if index is not None and index < tracked.trunk_blocks:
+                    family = tracked.params.family
+            try:
+                client = self._client(tenant)
+                if crc is None:
+                    client.abandon([key])
+                else:
+                    client.commit(key, crc, self.meta_bytes, family)
+            except StoreRefused as refused:
+                log.info("kmesh store: block not published: %s", refused)
+            except StoreError as error:
+                self._failed(error)
+
+    def request_finished(self, request: Any) -> dict[str, Any]:
+        """Release what the request led and did not publish; its stats for the caller."""
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is None:
+            return {}
+        unpublished = [
+            key
+            for key in tracked.lead.values()
+            if (tracked.tenant, key) not in self._reserved
+            and self._owner.get((tracked.tenant, key)) == request.request_id
+        ]
+        for key in unpublished:
+            del self._owner[(tracked.tenant, key)]
+        if unpublished and self.available:
+            try:
+                self._client(tracked.tenant).abandon(unpublished)
+            except StoreError as error:
+                self._failed(error)
+        self._end_family_member(tracked)
+        prompt = request.num_prompt_tokens
+        stats: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "reused_tokens": tracked.local_tokens,
+            "restored_tokens": tracked.loaded_tokens,
+            "computed_tokens": prompt - tracked.local_tokens - tracked.loaded_tokens,
+            "family": None if tracked.params is None else tracked.params.family,
+        }
+        return stats
+
+    def load_failed(self, block_ids: set[int]) -> None:
+        """The worker could not load these blocks; vLLM recomputes them: not restored."""
+        for tracked in self._requests.values():
+            lost = len(tracked.loaded_block_ids & block_ids)
+            tracked.loaded_block_ids -= block_ids
+            tracked.loaded_tokens -= lost * self.block_size
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is not None:
+            return tracked
+        params = _request_params(request)
+        lora = request.lora_request
+        namespace = KeyNamespace(
+            model=self.fingerprint,
+            adapter=None if lora is None else f"{lora.lora_name}@{lora.lora_path}",
+            tenant_salt=request.cache_salt,
+        )
+        tokens = list(request.prompt_token_ids or [])
+        keys: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            parent = block_key(namespace, parent, tokens[start : start + self.block_size])
+            keys.append(parent)
+        trunk = self._trunk_blocks(params, len(keys))
+        tracked = _Tracked(request.cache_salt, params, keys, trunk)
+        self._requests[request.request_id] = tracked
+        return tracked
+
+    def _trunk_blocks(self, params: KMeshParams | None, num_blocks: int) -> int:
+        if params is None or params.family is None:
+            return 0
+        if params.segments is None:
+            return num_blocks
+        _, trunk_tokens = encode_segments(self._tokenizer_of_model(), params)
+        return min(num_blocks, trunk_tokens // self.block_size)
+
+    def _tokenizer_of_model(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model)
+        return self._tokenizer
+
+    def _pin_trunk(self, client: StoreClient, tracked: _Tracked) -> None:
+        if tracked.trunk_blocks and tracked.params is not None and tracked.params.family:
+            family = tracked.params.family
+            self._family_tenants[family].add(tracked.tenant)
+            client.pin(family, [bytes(k) for k in tracked.keys[: tracked.trunk_blocks]])
+
+    def _reserve(self, request_id: str, tracked: _Tracked, ready: list[int]) -> list[SaveBlock]:
+        block_ids = self._block_ids(request_id)[0]
+        saves: list[SaveBlock] = []
+        for index in ready:
+            key = tracked.lead.pop(index)
+            try:
+                segment = self._client(tracked.tenant).reserve(key, self.layout.block_bytes)
+            except StoreRefused as refused:
+                log.info("kmesh store: keeping block %d local: %s", index, refused)
+                self._owner.pop((tracked.tenant, key), None)
+                continue
+            except StoreError as error:
+                self._failed(error)
+                return saves
+            self._reserved[(tracked.tenant, key)] = segment
+            saves.append(SaveBlock(tracked.tenant, block_ids[index], key, segment))
+        return saves
+
+    def _end_family_member(self, tracked: _Tracked) -> None:
+        params = tracked.params
+        if params is None or params.family is None:
+            return
+        family = params.family
+        self._families[family] += 1
+        if params.close or (
+            params.branches is not None and self._families[family] >= params.branches
+        ):
+            del self._families[family]
+            for tenant in self._family_tenants.pop(family, set()):
+                if self.available:
+                    try:
+                        self._client(tenant).close_family(family)
+                    except StoreError as error:
+                        self._failed(error)
+
+    def _client(self, tenant: str | None) -> StoreClient:
+        assert self.store is not None
+        if tenant not in self._clients:
+            self._clients[tenant] = StoreClient(self.store, tenant=tenant)
+        return self._clients[tenant]
+
+    def _failed(self, error: StoreError) -> None:
+        if isinstance(error, StoreUnavailable):
+            log.warning("kmesh store: unavailable, vLLM computes without it from now on: %s", error)
+            self.available = False
+            self._owner.clear()
+            self._reserved.clear()
+            self.close()
+        else:
+            log.info("kmesh store: %s; computing instead", error)
+
+
+def _request_params(request: Any) -> KMeshParams | None:
+    params = (request.kv_transfer_params or {}).get(KMESH_PARAMS_KEY)
+    if params is None:
+        return None
+    try:
+        return parse_kmesh_params(params)
+    except KMeshError as error:
+        log.warning(
+            "kmesh: request %s: %s; serving it without kmesh metadata", request.request_id, error
+        )
+        return None
+
+
+def model_fingerprint(model: str) -> str:
+    """The `model` part of state keys: the SHA-256 of the folder's config and weights (as the
+    reference engine computes it), or the model's name when it is not a local folder."""
+    path = Path(model)
+    weights = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if (path / "config.json").is_file() and weights:
+        return fingerprint_files([path / "config.json", *weights])
+    return f"name:{model}"

@@ -1,0 +1,111 @@
+"""The connector's worker half: copies whole blocks between the store's shared memory and
+vLLM's paged KV cache. It never claims or commits; see metadata.py."""
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+
+from kmesh.store import StoreClient, StoreError
+from kmesh.store.client import encode_meta, write_segment
+from kmesh.vllm.layout import BlockLayout
+from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, store: str | None, layout: BlockLayout, platform: str) -> None:
+        self.store = store
+        self.layout = layout
+        self.platform = platform
+        self.meta: dict | None = None
+        self.meta_bytes = b""
+        self._layers: list[torch.Tensor] = []
+        self._clients: dict[str | None, StoreClient] = {}
+        self._load_errors: set[int] = set()
+        self._saved: dict[TenantKey, int | None] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layers = [kv_caches[name] for name in self.layout.layer_names]
+        first = self._layers[0]
+        page = first[0]
+        if not page.is_contiguous() or page.numel() * page.element_size() != self.layout.page_bytes:
+            raise ValueError(
+                f"vLLM's KV cache pages are not contiguous {self.layout.page_bytes}-byte blocks "
+                f"(shape {tuple(first.shape)}, strides {first.stride()}); KMeshConnector copies "
+                "whole pages"
+            )
+        self.meta = self.layout.meta(self.platform, first.dtype)
+        self.meta_bytes = encode_meta(self.meta)
+
+    def load(self, metadata: KMeshConnectorMetadata) -> None:
+        """Fill the blocks the scheduler side found in the store (before the forward pass). A
+        block that cannot be loaded is reported, and vLLM recomputes it."""
+        for load in metadata.loads:
+            try:
+                with self._client(load.tenant).read(load.hit) as entry:
+                    if entry.meta != self.meta:
+                        raise StoreError(
+                            f"entry layout {entry.meta} is not this cache's {self.meta}"
+                        )
+                    self._copy_in(load.block_id, entry.data)
+            except StoreError as error:
+                log.warning(
+                    "kmesh: block %d not loaded, vLLM recomputes it: %s", load.block_id, error
+                )
+                self._load_errors.add(load.block_id)
+
+    def save(self, metadata: KMeshConnectorMetadata) -> None:
+        """Copy the blocks computed this step into the segments the store reserved for them."""
+        for save in metadata.saves:
+
+            def write(target: memoryview, block_id: int = save.block_id) -> None:
+                out = np.frombuffer(target, dtype=np.uint8)
+                page = self.layout.page_bytes
+                for i, layer in enumerate(self._layers):
+                    out[i * page : (i + 1) * page] = _page_bytes(layer, block_id)
+
+            try:
+                crc = write_segment(
+                    save.segment, save.key, self.layout.block_bytes, self.meta_bytes, write
+                )
+            except StoreError as error:
+                log.warning("kmesh: block %d not saved: %s", save.block_id, error)
+                crc = None
+            self._saved[(save.tenant, save.key)] = crc
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_saved(self) -> KMeshWorkerMetadata | None:
+        if not self._saved:
+            return None
+        saved, self._saved = self._saved, {}
+        return KMeshWorkerMetadata(saved)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def _client(self, tenant: str | None) -> StoreClient:
+        assert self.store is not None, "loads come only from a connector with a store"
+        if tenant not in self._clients:
+            self._clients[tenant] = StoreClient(self.store, tenant=tenant)
+        return self._clients[tenant]
+
+    def _copy_in(self, block_id: int, data: memoryview) -> None:
+        with warnings.catch_warnings():  # read-only shared memory: torch only reads from it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            source = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+        page = self.layout.page_bytes
+        for i, layer in enumerate(self._layers):
+            layer[block_id].view(-1).view(torch.uint8).copy_(source[i * page : (i + 1) * page])
+        del source
+
+
+def _page_bytes(layer: torch.Tensor, block_id: int) -> np.ndarray:
+    return layer[block_id].reshape(-1).view(torch.uint8).cpu().numpy()
