@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -18,10 +20,7 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    if args.store is not None and not Path(args.store).exists():
-        raise InvalidRequestError(
-            f"no store socket at {args.store!r}: start one with `kmesh store serve --socket PATH`"
-        )
+    _check_store(args.store)
     llm = LLM(args.model, store=args.store)
     [completion] = llm.generate([args.prompt], params, chat=args.chat, tenant_salt=args.tenant_salt)
     out = completion.output
@@ -39,6 +38,63 @@ def _generate(args: argparse.Namespace) -> None:
         )
     else:
         print(completion.text)
+
+
+def _check_store(store: str | None) -> None:
+    if store is not None and not Path(store).exists():
+        raise InvalidRequestError(
+            f"no store socket at {store!r}: start one with `kmesh store serve --socket PATH`"
+        )
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kmesh.serve.app import create_app
+    from kmesh.serve.backend import Backend
+
+    _check_store(args.store)
+    listener = _listen(args.host, args.port)
+    backend: Backend
+    if args.engine == "vllm":
+        from kmesh.serve.vllm_backend import VLLMBackend
+
+        backend = VLLMBackend(args.model, store=args.store)
+        print("kmesh serve: starting vLLM (about a minute on 2 cores)...", flush=True)
+    else:
+        from kmesh.serve.reference_backend import ReferenceBackend
+
+        backend = ReferenceBackend(args.model, store=args.store)
+    port = listener.getsockname()[1]
+
+    def ready() -> None:
+        print(
+            f"kmesh serve: {backend.engine} engine on http://{args.host}:{port} "
+            f"(model {backend.model_id})",
+            flush=True,
+        )
+
+    config = uvicorn.Config(create_app(backend, on_ready=ready), log_level="warning")
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket (bound before the model loads, so a taken port fails at once)."""
+    if not 0 <= port <= 65535:
+        raise InvalidRequestError(f"--port must be in 0..65535 (0: any free port), got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as error:
+        raise InvalidRequestError(
+            f"unknown --host {host!r} ({error.strerror}): give an address like 127.0.0.1"
+        ) from None
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise InvalidRequestError(
+            f"cannot listen on {host}:{port} ({reason}): pick another --port or --host"
+        ) from None
 
 
 def _model_info(args: argparse.Namespace) -> None:
@@ -376,6 +432,18 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--json", required=True, help="where to write the report")
     restore.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     restore.set_defaults(func=_bench_restore)
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (completions, chat) until SIGTERM/SIGINT"
+    )
+    serve.add_argument("--engine", choices=["reference", "vllm"], required=True)
+    serve.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port")
+    serve.add_argument(
+        "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"
+    )
+    serve.set_defaults(func=_serve)
 
     store = commands.add_parser("store", help="the shared state store")
     store_commands = store.add_subparsers(dest="store_command", required=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from kmesh.engine.request import Request, SamplingParams
-from kmesh.errors import InvalidRequestError, OutOfBlocksError
+from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from tests.conftest import random_tokens
 
 GREEDY = SamplingParams(max_tokens=12)
@@ -159,3 +159,19 @@ def test_a_live_request_id_cannot_be_reused(make_tiny_engine):
     engine.add_request(Request("r", (5, 6), GREEDY))
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request(Request("r", (7, 8), GREEDY))
+
+
+def test_output_ids_show_a_live_requests_tokens_so_far(make_tiny_engine):
+    engine = make_tiny_engine()
+    prompt = tuple(random_tokens(10, seed=11))
+    engine.add_request(Request("r", prompt, GREEDY))
+    assert engine.output_ids("r") == ()
+    seen = []
+    ended = []
+    while not ended:
+        ended = engine.step()
+        if not ended:
+            seen.append(engine.output_ids("r"))
+    assert seen == [ended[0].output_ids[:n] for n in range(1, len(ended[0].output_ids))]
+    with pytest.raises(ContractError, match="not running or waiting"):
+        engine.output_ids("r")

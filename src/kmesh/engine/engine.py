@@ -139,6 +139,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ended)
 
+    def output_ids(self, request_id: str) -> tuple[int, ...]:
+        """Tokens a running or waiting request has generated so far (for streaming); step()
+        returns the whole output when it ends."""
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            if seq.request.request_id == request_id:
+                return tuple(seq.output_ids)
+        raise ContractError(f"request {request_id!r} is not running or waiting")
+
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the requests that ended since the last step (finished, or
         retained for forks)."""

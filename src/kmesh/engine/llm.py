@@ -23,6 +23,13 @@ def check_prompt_text(prompt: str) -> None:
         raise InvalidRequestError("the prompt is empty: give some text to complete")
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat messages in the model's chat template, ending with the prompt for the
+    assistant's reply."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class LLM:
     """The reference engine over a loaded model (the embedded default model when none is given)."""
 
@@ -36,10 +43,7 @@ class LLM:
         """Token ids of a plain prompt, or of one user message in the model's chat template."""
         check_prompt_text(prompt)
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
 
     def generate(

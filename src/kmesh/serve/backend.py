@@ -1,0 +1,58 @@
+"""What the HTTP layer needs from an engine: one generation job in, token deltas out.
+
+Both engines implement `Backend`; the app tokenizes, checks and decodes, so they only generate.
+"""
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kmesh.state.request_meta import KMeshParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    prompt_ids: tuple[int, ...]
+    # At least 1, and no more than the model's context leaves after the prompt.
+    max_tokens: int
+    # 0 is greedy.
+    temperature: float
+    top_p: float
+    seed: int | None
+    # The caller's `kmesh` object (family, segments), if it sent one.
+    kmesh: KMeshParams | None
+    # The tenant: state is never shared across salts (None: the shared namespace).
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    # Tokens generated since the previous delta (may be empty).
+    token_ids: tuple[int, ...]
+    # None until the last delta: then "stop" (an end-of-sequence token) or "length".
+    finish_reason: str | None = None
+    # On the last delta: prompt_tokens, computed_tokens, reused_tokens (local prefix cache),
+    # restored_tokens (external store), and whatever else the engine reports.
+    stats: dict[str, Any] | None = None
+
+
+class Backend(Protocol):
+    # "reference" or "vllm".
+    engine: str
+    # The id clients name in `model` (the model folder's name).
+    model_id: str
+    # The model's transformers tokenizer (prompts are tokenized by the app, not the engine).
+    tokenizer: Any
+    # Prompt plus generated tokens at most.
+    max_model_len: int
+
+    async def start(self) -> None:
+        """Start the engine (called once, inside the server's event loop)."""
+
+    async def close(self) -> None:
+        """Stop the engine and release what it holds."""
+
+    def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
+        """Deltas of one job, the last with finish_reason and stats. Raises a KMeshError for a
+        job the engine refuses (the caller's mistake)."""
+        ...

@@ -1,0 +1,166 @@
+"""From a validated request body to a GenerationJob: the prompt's token ids and the limits.
+
+Everything an engine would refuse is refused here first, the same way for both engines, with a
+message that says what to change.
+"""
+
+from typing import Any
+
+from kmesh.engine.llm import chat_prompt_ids, check_prompt_text
+from kmesh.errors import InvalidRequestError
+from kmesh.serve.backend import Backend, GenerationJob
+from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from kmesh.state.request_meta import (
+    KMESH_PARAMS_KEY,
+    KMeshParams,
+    encode_segments,
+    parse_kmesh_params,
+)
+
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+class RequestFieldError(InvalidRequestError):
+    """A request field the server cannot serve as given; `param` names it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def completion_job(request: CompletionRequest, backend: Backend) -> GenerationJob:
+    """The job of a /v1/completions body: the prompt, or the kmesh segments' own tokens (then
+    the prompt may be left out, or empty)."""
+    _check_options(request, backend)
+    kmesh = kmesh_params(request)
+    prompt = _single_prompt(request.prompt)
+    if kmesh is not None and kmesh.segments is not None:
+        # NOTE: "" counts as no prompt: the OpenAI client cannot leave `prompt` out.
+        if prompt and prompt != kmesh.prompt_text:
+            raise RequestFieldError(
+                "prompt and kmesh.segments disagree: the prompt must be the segments' texts "
+                "concatenated; send one of them, or make them equal",
+                "prompt",
+            )
+        prompt_ids, _ = encode_segments(backend.tokenizer, kmesh)
+    elif prompt is None:
+        raise RequestFieldError(
+            "prompt is missing: send prompt (a string) or kmesh.segments", "prompt"
+        )
+    else:
+        check_prompt_text(prompt)
+        prompt_ids = list(backend.tokenizer(prompt)["input_ids"])
+    max_tokens = request.max_tokens or DEFAULT_COMPLETION_TOKENS
+    return _job(request, backend, prompt_ids, max_tokens, kmesh, "prompt")
+
+
+def chat_job(request: ChatCompletionRequest, backend: Backend) -> GenerationJob:
+    """The job of a /v1/chat/completions body: the messages in the model's chat template."""
+    _check_options(request, backend)
+    kmesh = kmesh_params(request)
+    if kmesh is not None and kmesh.segments is not None:
+        raise RequestFieldError(
+            "kmesh.segments are not taken on chat completions: send segments to "
+            "/v1/completions; chat requests take messages",
+            "kmesh.segments",
+        )
+    if (
+        request.max_tokens is not None
+        and request.max_completion_tokens is not None
+        and request.max_tokens != request.max_completion_tokens
+    ):
+        raise RequestFieldError(
+            "max_tokens and max_completion_tokens disagree: send one of them", "max_tokens"
+        )
+    if not getattr(backend.tokenizer, "chat_template", None):
+        raise RequestFieldError(
+            f"model {backend.model_id!r} has no chat template: use /v1/completions", "messages"
+        )
+    messages = [{"role": m.role, "content": m.text} for m in request.messages]
+    prompt_ids = chat_prompt_ids(backend.tokenizer, messages)
+    max_tokens = request.max_completion_tokens or request.max_tokens or backend.max_model_len
+    return _job(request, backend, prompt_ids, max_tokens, kmesh, "messages")
+
+
+def kmesh_params(request: GenerationRequest) -> KMeshParams | None:
+    """The request's kmesh object, from `kmesh` or `kv_transfer_params.kmesh` (both must agree)."""
+    transfer = request.kv_transfer_params
+    if transfer is not None and set(transfer) - {KMESH_PARAMS_KEY}:
+        others = sorted(set(transfer) - {KMESH_PARAMS_KEY})
+        raise RequestFieldError(
+            f"kv_transfer_params may only hold 'kmesh' here, not {others}: remove them",
+            "kv_transfer_params",
+        )
+    given = []
+    for field, value in (
+        ("kmesh", request.kmesh),
+        ("kv_transfer_params.kmesh", (transfer or {}).get(KMESH_PARAMS_KEY)),
+    ):
+        if value is not None:
+            try:
+                given.append(parse_kmesh_params(value))
+            except InvalidRequestError as error:
+                raise RequestFieldError(str(error), field) from None
+    if len(given) == 2 and given[0] != given[1]:
+        raise RequestFieldError(
+            "kmesh and kv_transfer_params.kmesh disagree: send the kmesh object once",
+            "kv_transfer_params",
+        )
+    return given[0] if given else None
+
+
+def _single_prompt(prompt: str | list[Any] | None) -> str | None:
+    if not isinstance(prompt, list):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    raise RequestFieldError(
+        "prompt must be one string: this server takes one prompt per request (token ids and "
+        "lists of prompts are not supported); send one request per prompt",
+        "prompt",
+    )
+
+
+def _check_options(request: GenerationRequest, backend: Backend) -> None:
+    if request.model is not None and request.model != backend.model_id:
+        raise RequestFieldError(
+            f"model {request.model!r} is not served here: this server serves "
+            f"{backend.model_id!r} (GET /v1/models); send that or leave model out",
+            "model",
+        )
+    if request.n != 1:
+        raise RequestFieldError(
+            f"n must be 1 (got {request.n}): send one request per completion", "n"
+        )
+    if request.stop:
+        raise RequestFieldError(
+            "stop is not supported: leave it out (generation ends at the model's end-of-sequence "
+            "token or after max_tokens)",
+            "stop",
+        )
+
+
+def _job(
+    request: GenerationRequest,
+    backend: Backend,
+    prompt_ids: list[int],
+    max_tokens: int,
+    kmesh: KMeshParams | None,
+    prompt_field: str,
+) -> GenerationJob:
+    room = backend.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise RequestFieldError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+            f"{backend.max_model_len} tokens, prompt and output together: shorten the prompt",
+            prompt_field,
+        )
+    return GenerationJob(
+        prompt_ids=tuple(prompt_ids),
+        max_tokens=min(max_tokens, room),
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        kmesh=kmesh,
+        cache_salt=request.cache_salt,
+    )

@@ -1,0 +1,171 @@
+"""`kmesh serve --engine reference`: the reference engine behind the HTTP server.
+
+The engine is synchronous and single-threaded, so one background thread owns it: it takes new
+requests from a thread-safe queue, steps the engine while any request is live, and hands each
+request's new tokens to the asyncio task waiting for them (one asyncio queue per request).
+
+A request's `kmesh.family` is accepted and echoed; on this engine the family's trunk is shared
+through the local prefix cache (and the store, with `--store`) like any common prefix, and
+`branches` / `close` have no effect: the reference engine does not pin store entries for a family.
+"""
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kmesh.compute.loader import LoadedModel, load_model
+from kmesh.engine.engine import Engine
+from kmesh.engine.request import Request, RequestOutput, SamplingParams
+from kmesh.errors import KMeshError
+from kmesh.serve.backend import Delta, GenerationJob
+
+logger = logging.getLogger(__name__)
+
+STAT_NAMES = ("prompt_tokens", "computed_tokens", "reused_tokens", "restored_tokens")
+
+# What the engine thread hands a request's task: a delta, or the error that ended it.
+Post = Callable[[Delta | BaseException], None]
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread stopped after an unexpected error (a bug, or out of memory)."""
+
+
+@dataclass(slots=True)
+class _Live:
+    post: Post
+    # Output tokens already posted.
+    num_sent: int = 0
+
+
+class ReferenceBackend:
+    """The reference engine over a model folder, a loaded model, or the embedded model (None).
+
+    Args:
+        model: what to serve.
+        store: socket of a `kmesh store serve` process (restore from it, publish to it).
+        engine_options: passed on to `Engine` (block_size, kv_cache_tokens, ...).
+    """
+
+    engine = "reference"
+
+    def __init__(
+        self,
+        model: str | Path | LoadedModel | None = None,
+        *,
+        store: str | None = None,
+        **engine_options: Any,
+    ) -> None:
+        loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.model_id = loaded.path.name
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.config.max_position
+        self._engine = Engine(loaded.executor, loaded.fingerprint, store=store, **engine_options)
+        # Requests to add, or None to stop the thread.
+        self._inbox: queue.SimpleQueue[tuple[Request, Post] | None] = queue.SimpleQueue()
+        self._request_ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="kmesh-engine", daemon=True)
+        # Set (under the lock) when the thread died; later requests fail at once.
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+
+    async def start(self) -> None:
+        self._thread.start()
+
+    async def close(self) -> None:
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._engine.close()
+
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
+        params = SamplingParams(
+            max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed
+        )
+        request_id = f"serve-{next(self._request_ids)}"
+        request = Request(request_id, job.prompt_ids, params, tenant_salt=job.cache_salt)
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+
+        def post(item: Delta | BaseException) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        with self._lock:
+            if self._failure is not None:
+                raise EngineStoppedError(
+                    "the reference engine stopped after an internal error (see the server log): "
+                    "restart kmesh serve"
+                ) from self._failure
+            self._inbox.put((request, post))
+        # NOTE: a caller that stops listening (a closed stream) does not stop the request: the
+        # engine has no abort, so it runs to its end and its deltas are dropped.
+        while True:
+            item = await deltas.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def _run(self) -> None:
+        live: dict[str, _Live] = {}
+        try:
+            while self._admit(live, wait=not live):
+                if live:
+                    self._step(live)
+        except Exception as error:
+            logger.exception("the reference engine failed; failing every live request")
+            with self._lock:
+                self._failure = error
+            stopped = EngineStoppedError(f"the reference engine failed: {error}")
+        else:
+            stopped = EngineStoppedError("the server is shutting down")
+        for request in live.values():
+            request.post(stopped)
+        while not self._inbox.empty():
+            item = self._inbox.get()
+            if item is not None:
+                item[1](stopped)
+
+    def _admit(self, live: dict[str, _Live], *, wait: bool) -> bool:
+        """Add queued requests to the engine (waiting for one if asked); False once told to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=wait)
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            request, post = item
+            try:
+                self._engine.add_request(request)
+            except KMeshError as error:
+                post(error)
+            else:
+                live[request.request_id] = _Live(post)
+            wait = False
+
+    def _step(self, live: dict[str, _Live]) -> None:
+        ended = {output.request_id: output for output in self._engine.step()}
+        for request_id, request in list(live.items()):
+            output = ended.get(request_id)
+            if output is not None:
+                request.post(_last_delta(output, request.num_sent))
+                del live[request_id]
+                continue
+            token_ids = self._engine.output_ids(request_id)
+            if len(token_ids) > request.num_sent:
+                request.post(Delta(token_ids[request.num_sent :]))
+                request.num_sent = len(token_ids)
+
+
+def _last_delta(output: RequestOutput, num_sent: int) -> Delta:
+    stats = {name: getattr(output.stats, name) for name in STAT_NAMES}
+    return Delta(output.output_ids[num_sent:], output.finish_reason, stats)

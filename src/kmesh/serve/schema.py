@@ -1,0 +1,151 @@
+"""The OpenAI request bodies `kmesh serve` accepts, and the response objects it returns.
+
+Types are strict (a number in quotes is refused) and unknown fields are refused, so a typo is
+reported instead of silently ignored. `kmesh` and `kv_transfer_params` are checked by
+kmesh.serve.jobs (with kmesh.state.request_meta), not here.
+"""
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    # If given, the served model's id (GET /v1/models).
+    model: str | None = None
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stream: bool = False
+    # Accepted for compatibility: usage always comes on the last chunk of a stream.
+    stream_options: dict[str, Any] | None = None
+    # Only None or empty: stop strings are not supported.
+    stop: str | list[str] | None = None
+    # Only 1.
+    n: int = 1
+    # Accepted and ignored.
+    user: str | None = None
+    # The keyed-state object (family, segments); see kmesh.state.request_meta.
+    kmesh: dict[str, Any] | None = None
+    # The tenant: state never crosses salts.
+    cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM's field: only {"kmesh": {...}}, another way to send the kmesh object.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionRequest(GenerationRequest):
+    # One string (a list holding one string is accepted); may be left out with kmesh.segments.
+    prompt: str | list[Any] | None = None
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # Default: as many as the model's context leaves (as OpenAI).
+    max_tokens: int | None = Field(default=None, ge=1)
+    # OpenAI's newer name for max_tokens.
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseShape:
+    """What differs between text completions and chat completions."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    # Chat: the text is a message (a delta in chunks), not a plain "text" field.
+    is_chat: bool
+
+
+COMPLETION = ResponseShape("cmpl", "text_completion", "text_completion", is_chat=False)
+CHAT = ResponseShape("chatcmpl", "chat.completion", "chat.completion.chunk", is_chat=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseBuilder:
+    """One response's objects: the whole response, or its stream's chunks (same id)."""
+
+    shape: ResponseShape
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, shape: ResponseShape, model: str) -> "ResponseBuilder":
+        return cls(shape, model, f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def response(self, text: str, finish_reason: str, **extra: Any) -> dict[str, Any]:
+        """The whole response; `extra` holds usage and kmesh."""
+        if self.shape.is_chat:
+            content: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+        else:
+            content = {"text": text}
+        return self._body(self.shape.object, _choice(content, finish_reason), extra)
+
+    def opening_chunk(self) -> dict[str, Any] | None:
+        """The chunk a stream starts with before any text: chat names the role first."""
+        if not self.shape.is_chat:
+            return None
+        choice = _choice({"delta": {"role": "assistant", "content": ""}}, None)
+        return self._body(self.shape.chunk_object, choice, {})
+
+    def chunk(self, text: str, finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+        """A chunk of new text; the last one has finish_reason, and `extra` (usage, kmesh)."""
+        if self.shape.is_chat:
+            content: dict[str, Any] = {"delta": {"content": text} if text else {}}
+        else:
+            content = {"text": text}
+        return self._body(self.shape.chunk_object, _choice(content, finish_reason), extra)
+
+    def _body(self, kind: str, choice: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            **extra,
+        }
+
+
+def _choice(content: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}

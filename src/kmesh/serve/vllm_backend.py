@@ -1,0 +1,88 @@
+"""`kmesh serve --engine vllm`: vLLM's AsyncLLM with KMeshConnector behind the HTTP server.
+
+vLLM is imported only when the engine starts (the import alone takes ~20 s on 2 cores). The
+caller's `kmesh` object reaches the connector as the request's `kv_transfer_params["kmesh"]`,
+and the connector's per-request stats come back the same way on the final output.
+"""
+
+import uuid
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from kmesh.serve.backend import Delta, GenerationJob
+from kmesh.state.request_meta import KMESH_PARAMS_KEY
+from kmesh.vllm.config import vllm_engine_kwargs
+
+
+class VLLMBackend:
+    """vLLM (CPU settings of kmesh.vllm.config) on a model folder, or the embedded model (None).
+
+    Args:
+        model: what to serve.
+        store: socket of a `kmesh store serve` process, handed to KMeshConnector.
+    """
+
+    engine = "vllm"
+
+    def __init__(self, model: str | Path | None = None, *, store: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self._engine_kwargs = vllm_engine_kwargs(model, store=store)
+        path = Path(self._engine_kwargs["model"])
+        self.model_id = path.name
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.max_model_len: int = self._engine_kwargs["max_model_len"]
+        self._llm: Any = None
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra_args = None
+        if job.kmesh is not None:
+            kmesh = job.kmesh.model_dump(exclude_none=True)
+            extra_args = {"kv_transfer_params": {KMESH_PARAMS_KEY: kmesh}}
+        params = SamplingParams(
+            max_tokens=job.max_tokens,
+            temperature=job.temperature,
+            top_p=job.top_p,
+            seed=job.seed,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args,
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(job.prompt_ids)}
+        if job.cache_salt is not None:
+            prompt["cache_salt"] = job.cache_salt
+        async for output in self._llm.generate(prompt, params, f"serve-{uuid.uuid4().hex}"):
+            completion = output.outputs[0]
+            token_ids = tuple(completion.token_ids)
+            if not output.finished:
+                yield Delta(token_ids)
+                continue
+            yield Delta(token_ids, completion.finish_reason, _stats(output, len(job.prompt_ids)))
+
+
+def _stats(output: Any, num_prompt: int) -> dict[str, Any]:
+    """The connector's stats for a finished request, or what vLLM itself reports without them."""
+    reported = (output.kv_transfer_params or {}).get(KMESH_PARAMS_KEY)
+    if reported is not None:
+        return dict(reported)
+    reused = output.num_cached_tokens or 0
+    return {
+        "prompt_tokens": num_prompt,
+        "computed_tokens": num_prompt - reused,
+        "reused_tokens": reused,
+        "restored_tokens": 0,
+    }

@@ -1,0 +1,327 @@
+"""The OpenAI routes over the reference engine and the embedded model, in process (TestClient)."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kmesh.serve.app import create_app
+from kmesh.serve.backend import Delta, GenerationJob
+from kmesh.serve.reference_backend import ReferenceBackend
+
+pytestmark = pytest.mark.model
+
+STATS = ("prompt_tokens", "computed_tokens", "reused_tokens", "restored_tokens")
+# About 90 tokens: a prefix long enough to fill several 16-token blocks.
+SHARED = (
+    "The council of the river towns meets once a year in the old mill. Each town sends one "
+    "speaker, who reports on the harvest, the state of the bridges, the price of salt and the "
+    "quarrels that the town could not settle by itself. The speakers listen to each other in "
+    "turn, and then they vote on what the towns will do together in the coming year. "
+)
+
+
+@pytest.fixture(scope="module")
+def backend(real_model):
+    return ReferenceBackend(real_model, kv_cache_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def client(backend):
+    with TestClient(create_app(backend)) as client:
+        yield client
+
+
+def complete(client, **body):
+    response = client.post("/v1/completions", json={"temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(client, path, **body):
+    """The chunks of a streamed response, checking the SSE framing and the final [DONE]."""
+    response = client.post(path, json={"temperature": 0, "stream": True, **body})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(event.startswith("data: ") for event in events[:-2])
+    return [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+
+
+def check_stats(kmesh, *, family=None):
+    assert kmesh["engine"] == "reference"
+    assert kmesh["family"] == family
+    assert kmesh["prompt_tokens"] == sum(kmesh[name] for name in STATS[1:])
+
+
+def test_models_lists_the_served_model(client):
+    response = client.get("/v1/models")
+    assert response.status_code == 200
+    [model] = response.json()["data"]
+    assert model["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_a_completion_has_text_usage_and_kmesh_stats(client):
+    body = complete(client, model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=8)
+    assert body["object"] == "text_completion"
+    [choice] = body["choices"]
+    assert choice["text"].strip()
+    assert choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 8
+    assert body["kmesh"]["prompt_tokens"] == body["usage"]["prompt_tokens"]
+    check_stats(body["kmesh"])
+
+
+def test_max_tokens_defaults_to_16_like_openai(client):
+    body = complete(client, prompt="The weather today")
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_a_streamed_completion_reassembles_to_the_same_text(client):
+    whole = complete(client, prompt="The recipe for bread:", max_tokens=12)
+    chunks = stream(client, "/v1/completions", prompt="The recipe for bread:", max_tokens=12)
+    assert len(chunks) > 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert [c["choices"][0]["finish_reason"] for c in chunks[-2:]] == [None, "length"]
+    assert chunks[-1]["usage"] == whole["usage"]
+    check_stats(chunks[-1]["kmesh"])
+
+
+def test_chat_answers_in_the_chat_template(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    response = client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 16, "temperature": 0}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert "Paris" in message["content"]
+    check_stats(body["kmesh"])
+
+
+def test_a_streamed_chat_names_the_role_then_sends_deltas(client):
+    messages = [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a large city in Japan."}]},
+    ]
+    whole = client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_completion_tokens": 10, "temperature": 0},
+    ).json()
+    chunks = stream(client, "/v1/chat/completions", messages=messages, max_completion_tokens=10)
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    check_stats(chunks[-1]["kmesh"])
+
+
+def test_a_shared_prefix_is_reused_by_the_next_request(client):
+    complete(client, prompt=SHARED + "The first speaker said", max_tokens=2)
+    second = complete(client, prompt=SHARED + "The last speaker asked", max_tokens=2)
+    stats = second["kmesh"]
+    assert stats["reused_tokens"] > 0
+    assert stats["reused_tokens"] % 16 == 0
+    check_stats(stats)
+
+
+def test_a_cache_salt_keeps_tenants_apart(client):
+    prompt = SHARED + "The mill was"
+    complete(client, prompt=prompt, max_tokens=2, cache_salt="tenant-a")
+    other = complete(client, prompt=prompt, max_tokens=2, cache_salt="tenant-b")
+    same = complete(client, prompt=prompt, max_tokens=2, cache_salt="tenant-a")
+    assert other["kmesh"]["reused_tokens"] == 0
+    assert same["kmesh"]["reused_tokens"] > 0
+
+
+def test_segments_stand_for_the_prompt(client, backend):
+    segments = [
+        {"text": SHARED, "role": "shared", "id": "trunk"},
+        {"text": "The youngest speaker said", "role": "private"},
+    ]
+    kmesh = {"family": "council", "branches": 2, "segments": segments}
+    without_prompt = complete(client, kmesh=kmesh, max_tokens=4)
+    prompt = "".join(s["text"] for s in segments)
+    with_prompt = complete(client, kmesh=kmesh, prompt=prompt, max_tokens=4)
+    assert with_prompt["choices"][0]["text"] == without_prompt["choices"][0]["text"]
+    check_stats(without_prompt["kmesh"], family="council")
+    check_stats(with_prompt["kmesh"], family="council")
+    # Each segment is tokenized on its own: the ids are not those of the plain prompt.
+    trunk_ids = backend.tokenizer(SHARED, add_special_tokens=False)["input_ids"]
+    tail_ids = backend.tokenizer(segments[1]["text"], add_special_tokens=False)["input_ids"]
+    assert without_prompt["usage"]["prompt_tokens"] == len(trunk_ids) + len(tail_ids)
+
+
+def test_kmesh_may_come_in_kv_transfer_params(client):
+    kmesh = {"family": "f2"}
+    body = complete(client, prompt="Hello", max_tokens=1, kv_transfer_params={"kmesh": kmesh})
+    assert body["kmesh"]["family"] == "f2"
+    both = complete(
+        client, prompt="Hello", max_tokens=1, kmesh=kmesh, kv_transfer_params={"kmesh": kmesh}
+    )
+    assert both["kmesh"]["family"] == "f2"
+
+
+def refused(client, body, path="/v1/completions"):
+    """POST a bad body (a dict as JSON, or raw bytes); return the OpenAI error object."""
+    if isinstance(body, bytes):
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in error["message"]
+    return error
+
+
+CHAT = [{"role": "user", "content": "Hi"}]
+BAD_COMPLETIONS = [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"", "body is missing"),
+    ({"prompt": 7}, "prompt: Input should be a valid string"),
+    ({"prompt": ["a", "b"]}, "one prompt per request"),
+    ({"prompt": [1, 2, 3]}, "one prompt per request"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": "   "}, "prompt is empty"),
+    ({}, "prompt is missing"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "temperature": -1}, "temperature: Input should be greater than or equal"),
+    ({"prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0"),
+    ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
+    ({"prompt": "x", "n": 2}, "n must be 1"),
+    ({"prompt": "x", "stop": ["\n"]}, "stop is not supported"),
+    ({"prompt": "x", "model": "gpt-4"}, "serves 'SmolLM2-135M-Instruct'"),
+    ({"prompt": "x", "max_token": 5}, "max_token: unknown field: remove it (fields: model,"),
+    ({"prompt": "x", "kmesh": {"branches": 2}}, "'branches' and 'close' need a 'family'"),
+    ({"prompt": "x", "kmesh": {"family": ""}}, "malformed kmesh field: kmesh.family"),
+    (
+        {"prompt": "x", "kmesh": {"segments": [{"text": "x", "role": "boss"}]}},
+        "kmesh.segments.0.role",
+    ),
+    ({"prompt": "x", "kmesh": "f1"}, "kmesh: Input should be a valid dictionary"),
+    ({"prompt": "x", "kv_transfer_params": {"kmesh": {"famly": "f"}}}, "kmesh.famly"),
+    ({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}, "may only hold 'kmesh'"),
+    (
+        {"prompt": "x", "kmesh": {"family": "a"}, "kv_transfer_params": {"kmesh": {"family": "b"}}},
+        "kmesh and kv_transfer_params.kmesh disagree",
+    ),
+    (
+        {"prompt": "ab", "kmesh": {"segments": [{"text": "a"}, {"text": "c"}]}},
+        "prompt and kmesh.segments disagree",
+    ),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt: String should have at least 1 character"),
+    ({"prompt": "word " * 9000}, "the model's context is 8192 tokens"),
+    ({"prompt": "word " * 9000, "stream": True}, "the model's context is 8192 tokens"),
+]
+BAD_CHATS = [
+    ({"messages": []}, "messages: List should have at least 1 item"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role: Input should be"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
+    ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages.0.name: unknown"),
+    ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "disagree"),
+    (
+        {"messages": CHAT, "kmesh": {"segments": [{"text": "x"}]}},
+        "send segments to /v1/completions; chat requests take messages",
+    ),
+    ({"prompt": "x"}, "messages: Field required"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_COMPLETIONS)
+def test_a_bad_completion_body_is_a_400_that_says_what_is_wrong(client, body, message):
+    assert message in refused(client, body)["message"]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_CHATS)
+def test_a_bad_chat_body_is_a_400_that_says_what_is_wrong(client, body, message):
+    assert message in refused(client, body, "/v1/chat/completions")["message"]
+
+
+def test_an_error_names_the_field_at_fault(client):
+    assert refused(client, {"prompt": "x", "top_p": 2})["param"] == "top_p"
+    assert refused(client, {"prompt": "x", "kmesh": {"family": 3}})["param"] == "kmesh"
+
+
+def test_the_server_keeps_serving_after_bad_requests(client):
+    for body, _ in BAD_COMPLETIONS[:-2]:
+        refused(client, body)
+    for body, _ in BAD_CHATS:
+        refused(client, body, "/v1/chat/completions")
+    assert complete(client, prompt="Still there?", max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_an_unknown_route_gets_an_openai_error(client):
+    response = client.get("/v1/engines")
+    assert response.status_code == 404
+    assert "POST /v1/completions" in response.json()["error"]["message"]
+
+
+def test_requests_at_once_are_all_answered(client):
+    prompts = [f"Story number {i}:" for i in range(4)]
+
+    def one(prompt):
+        if prompt.endswith("1:"):
+            chunks = stream(client, "/v1/completions", prompt=prompt, max_tokens=6)
+            return chunks[-1]["usage"]["completion_tokens"]
+        return complete(client, prompt=prompt, max_tokens=6)["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(one, prompts)) == [6] * len(prompts)
+
+
+class FailingBackend:
+    """A backend with a bug: generation raises (after one token with `tokens_first`)."""
+
+    engine = "failing"
+    model_id = "m"
+    max_model_len = 100
+
+    def __init__(self, tokenizer, tokens_first=False):
+        self.tokenizer = tokenizer
+        self.tokens_first = tokens_first
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def generate(self, job: GenerationJob):
+        if self.tokens_first:
+            yield Delta(job.prompt_ids[:1])
+        raise RuntimeError("a bug with private details")
+
+
+def test_an_unexpected_failure_is_a_short_500_without_details(real_model):
+    app = create_app(FailingBackend(real_model.tokenizer))
+    with TestClient(app, raise_server_exceptions=False) as failing:
+        response = failing.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "server_error"
+        assert "private details" not in error["message"]
+        assert failing.get("/v1/models").status_code == 200
+
+
+def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(real_model):
+    app = create_app(FailingBackend(real_model.tokenizer, tokens_first=True))
+    with TestClient(app) as failing:
+        response = failing.post("/v1/completions", json={"prompt": "Hello", "stream": True})
+    assert response.status_code == 200
+    events = response.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    error = json.loads(events[-3].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error"
+    assert "private details" not in error["message"]

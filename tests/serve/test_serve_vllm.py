@@ -1,0 +1,112 @@
+"""`kmesh serve --engine vllm` against `--engine reference`: one family through both servers.
+
+Slow (vLLM starts in about 45 s on 2 cores; the whole module takes 2-3 minutes): select it with
+`pytest -m vllm`, leave it out with `-m "not vllm"`.
+"""
+
+import itertools
+
+import pytest
+
+from tests.serve.conftest import start_serve
+
+pytestmark = [pytest.mark.model, pytest.mark.vllm]
+
+MODEL = "SmolLM2-135M-Instruct"
+# About 600 tokens: the family's shared trunk.
+TRUNK = (
+    " ".join(
+        f"Entry {i}: in {1790 + 7 * i} the expedition from {town} crossed the {pass_} pass with "
+        f"{3 + i % 9} mules and came back after {10 + i % 13} days."
+        for i, (town, pass_) in enumerate(
+            itertools.product(
+                ("Arden", "Belmont", "Corwin"), ("north", "east", "south", "west", "high", "low")
+            )
+        )
+    )
+    + "\n\n"
+)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+SUFFIXES = (
+    "Question: which expedition took the most mules? Answer:",
+    "Question: which town sent the first expedition? Answer:",
+    "Summary of the archive in one sentence:",
+    "The entry I find most surprising is",
+)
+
+
+def family_member(suffix: str) -> dict:
+    segments = [{"text": TRUNK, "role": "shared", "id": "archive"}, {"text": suffix}]
+    return {"family": "archive", "branches": len(SUFFIXES), "segments": segments}
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each engine's responses to the family, sent one after another (engine -> responses)."""
+    log_dir = tmp_path_factory.mktemp("serve-vllm")
+    results = {}
+    for engine in ("vllm", "reference"):
+        server = start_serve(engine, log_dir, timeout=400)
+        try:
+            client = server.client()
+            results[engine] = [
+                client.completions.create(
+                    model=MODEL,
+                    prompt="",
+                    max_tokens=12,
+                    temperature=0,
+                    extra_body={"kmesh": family_member(suffix)},
+                ).to_dict()
+                for suffix in SUFFIXES
+            ]
+            chunks = client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True
+            )
+            results[f"{engine}-chat"] = [chunk.to_dict() for chunk in chunks]
+        finally:
+            log = server.stop()
+        assert "Traceback" not in log, log[-5000:]
+    return results
+
+
+def test_both_engines_give_the_same_greedy_texts(answers):
+    vllm_texts = [r["choices"][0]["text"] for r in answers["vllm"]]
+    reference_texts = [r["choices"][0]["text"] for r in answers["reference"]]
+    assert vllm_texts == reference_texts
+    assert all(text for text in vllm_texts)
+
+
+def test_both_engines_see_the_same_prompt_tokens(answers):
+    vllm_prompts = [r["usage"]["prompt_tokens"] for r in answers["vllm"]]
+    assert vllm_prompts == [r["usage"]["prompt_tokens"] for r in answers["reference"]]
+    assert 500 < vllm_prompts[0] < 800
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_every_response_carries_kmesh_stats(answers, engine):
+    for response in answers[engine]:
+        stats = response["kmesh"]
+        assert stats["engine"] == engine
+        assert stats["family"] == "archive"
+        assert stats["prompt_tokens"] == response["usage"]["prompt_tokens"]
+        assert stats["prompt_tokens"] == (
+            stats["computed_tokens"] + stats["reused_tokens"] + stats["restored_tokens"]
+        )
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_later_family_members_reuse_the_trunk(answers, engine):
+    reused = [response["kmesh"]["reused_tokens"] for response in answers[engine]]
+    assert reused[0] == 0
+    assert all(n > 0 for n in reused[1:]), reused
+
+
+def test_both_engines_stream_the_same_chat(answers):
+    texts = {}
+    for engine in ("vllm", "reference"):
+        chunks = answers[f"{engine}-chat"]
+        texts[engine] = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert chunks[-1]["kmesh"]["engine"] == engine
+        assert chunks[-1]["usage"]["completion_tokens"] > 0
+    assert texts["vllm"] == texts["reference"]
+    assert "Paris" in texts["vllm"]
