@@ -37,6 +37,8 @@ def test_model_info_names_the_cache_and_config():
         (["generate", "hi", "--max-tokens", "0"], "max_tokens must be a positive"),
         (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
         (["model", "info", "--model", "/no/such/model"], "does not exist"),
+        (["bench", "vllm-family", "--instances", "0", "--json", "x.json"], "--instances"),
+        (["bench", "vllm-family", "--model", "/no/such/model", "--json", "x.json"], "not exist"),
     ],
 )
 def test_bad_input_gets_one_clear_line_and_no_traceback(args, message):

@@ -265,6 +265,25 @@ def _bench_restore(args: argparse.Namespace) -> None:
     write_json(args.json, report)
 
 
+def _bench_vllm_family(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.vllm_family import FamilyBenchConfig, print_family, run_family_bench
+
+    if args.instances < 1 or args.requests < args.instances or args.trunk_tokens < 1:
+        raise InvalidRequestError(
+            "--instances must be >= 1, --requests at least --instances, --trunk-tokens >= 1"
+        )
+    config = FamilyBenchConfig(
+        args.instances, args.requests, args.trunk_tokens, args.max_tokens, args.model
+    )
+    console = Console(stderr=True)
+    report = run_family_bench(config, progress=console.log)
+    print_family(report, report_console())
+    write_json(args.json, report)
+
+
 def _store_serve(args: argparse.Namespace) -> None:
     from kmesh.store.server import parse_size, serve
 
@@ -432,6 +451,18 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--json", required=True, help="where to write the report")
     restore.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     restore.set_defaults(func=_bench_restore)
+
+    family = benches.add_parser(
+        "vllm-family",
+        help="one family over several vLLM instances sharing a store vs vanilla vLLM",
+    )
+    family.add_argument("--instances", type=int, default=2, help="vLLM processes")
+    family.add_argument("--requests", type=int, default=8, help="family members, round-robin")
+    family.add_argument("--trunk-tokens", type=int, default=2048, help="shared trunk length")
+    family.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request")
+    family.add_argument("--json", required=True, help="where to write the report")
+    family.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    family.set_defaults(func=_bench_vllm_family)
 
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat) until SIGTERM/SIGINT"

@@ -11,7 +11,7 @@ import pytest
 
 from tests.vllm.connector_job import TRUNK_TOKENS
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ instances (separate processes), which all start sending at the same moment. Two 
 - kmesh: N instances with KMeshConnector on one `kmesh store serve`: the first to claim the trunk
   computes it, the others wait for it and restore it, so the trunk is computed once in total.
 Reported per run: prompt, computed, reused (local prefix cache) and restored tokens summed over
-requests, how many trunk computations that amounts to, and the wall time from the go signal to
-the last instance's last output (prefill plus max_tokens decode steps); greedy outputs of the two
-runs are compared.
+requests, how many trunk computations that amounts to, prefill seconds (the largest first-token
+latency: from the go signal until every request has its first token) and wall seconds (until the
+last instance's last output, with max_tokens decode steps); greedy outputs of the two runs are
+compared.
 """
 
 import inspect
@@ -135,6 +136,7 @@ def _summary(config: FamilyBenchConfig, instances: list[dict], seconds: float) -
     return {
         **totals,
         "trunk_computations": trunk_computed / config.trunk_tokens,
+        "prefill_seconds": max(r["first_token_seconds"] for r in requests),
         "seconds": seconds,
         "instance_seconds": [inst["seconds"] for inst in instances],
         "instances": instances,
@@ -178,6 +180,7 @@ def print_family(report: dict[str, Any], console: Console) -> None:
         Column("reused (local)", justify="right"),
         Column("restored (store)", justify="right"),
         Column("trunk computations", justify="right"),
+        Column("prefill s", justify="right"),
         Column("wall s", justify="right"),
         title=f"bench vllm-family: {c['requests']} requests, {c['trunk_tokens']}-token trunk, "
         f"{c['instances']} vLLM instances",
@@ -191,6 +194,7 @@ def print_family(report: dict[str, Any], console: Console) -> None:
             str(run["reused_tokens"]),
             str(run["restored_tokens"]),
             f"{run['trunk_computations']:.2f}",
+            f"{run['prefill_seconds']:.2f}",
             f"{run['seconds']:.2f}",
         )
     console.print(table)

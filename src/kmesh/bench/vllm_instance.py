@@ -14,17 +14,16 @@ GO_POLL_S = 0.05
 
 def run(spec: dict[str, Any]) -> None:
     """Writes spec["result"] before shutting vLLM down: seconds of its generate call, wall
-    clock at its start and end, and per request the stats and output ids."""
+    clock at its start and end, and per request the stats, the first-token latency (from its
+    arrival, i.e. the go signal: queueing, waiting for another instance and prefill) and the
+    output ids."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from kmesh.vllm.config import vllm_engine_kwargs
 
     store = spec["store"]
-    llm = LLM(
-        **vllm_engine_kwargs(
-            spec["model"], store=store, connector=store is not None, max_model_len=4096
-        )
-    )
+    kwargs = vllm_engine_kwargs(spec["model"], store=store, connector=store is not None)
+    llm = LLM(**kwargs, disable_log_stats=False)  # stats on: each output's first-token latency
     Path(spec["ready"]).touch()
     while not Path(spec["go"]).exists():
         time.sleep(GO_POLL_S)
@@ -52,6 +51,8 @@ def run(spec: dict[str, Any]) -> None:
             cached = out.num_cached_tokens or 0
             stats = {"prompt_tokens": len(prompt), "reused_tokens": cached, "restored_tokens": 0}
             stats["computed_tokens"] = len(prompt) - cached
+        assert out.metrics is not None, "vLLM keeps per-request stats (disable_log_stats=False)"
+        stats["first_token_seconds"] = out.metrics.first_token_latency
         requests.append({"output_ids": list(out.outputs[0].token_ids), **stats})
     Path(spec["result"]).write_text(
         json.dumps({"seconds": seconds, "started": go, "ended": end, "requests": requests})

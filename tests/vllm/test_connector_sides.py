@@ -1,0 +1,177 @@
+"""The connector's two halves without a vLLM engine: the scheduler side against a real store
+with stand-in vLLM requests, the worker side against stand-in KV cache tensors."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kmesh.store import StoreClient
+from kmesh.store.client import write_segment
+from kmesh.vllm.layout import BlockLayout
+from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
+from kmesh.vllm.scheduler_side import SchedulerSide
+from kmesh.vllm.worker_side import WorkerSide
+
+BLOCK = 4
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+PAGE_SHAPE = (2, BLOCK, 8)  # kv heads, block size, 2 * head size
+LAYOUT = BlockLayout(LAYERS, BLOCK, int(np.prod(PAGE_SHAPE)) * 4)
+PROMPT = list(range(100, 111))  # 11 tokens: 2 full blocks, both before the last token
+
+
+def request(request_id: str, prompt=PROMPT, salt=None, lora=None, kmesh=None):
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        num_prompt_tokens=len(prompt),
+        cache_salt=salt,
+        lora_request=None if lora is None else SimpleNamespace(lora_name=lora, lora_path="/a"),
+        kv_transfer_params=None if kmesh is None else {"kmesh": kmesh},
+    )
+
+
+def side(store) -> SchedulerSide:
+    scheduler = SchedulerSide(store.socket, LAYOUT, "cpu", torch.float32, "tiny-model")
+    scheduler.bind_block_ids(lambda request_id: ([7, 8, 9],))
+    return scheduler
+
+
+def compute(scheduler: SchedulerSide, req, tokens: int) -> None:
+    """vLLM computes `tokens` of the request; the worker copies the saved blocks; the scheduler
+    commits them."""
+    output = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={req.request_id: tokens},
+    )
+    meta = scheduler.build_connector_meta(output)
+    saved = {}
+    for save in meta.saves:
+        fill = bytes([save.block_id]) * LAYOUT.block_bytes
+
+        def write(target, fill=fill):
+            target[:] = fill
+
+        saved[(save.tenant, save.key)] = write_segment(
+            save.segment, save.key, LAYOUT.block_bytes, scheduler.meta_bytes, write
+        )
+    scheduler.update_connector_output(saved)
+
+
+def test_the_first_engine_computes_and_publishes_the_next_restores(store):
+    first, second = side(store), side(store)
+    req = request("a")
+    assert first.get_num_new_matched_tokens(req, 0) == (0, False)
+    compute(first, req, len(PROMPT))
+    assert first.request_finished(req)["computed_tokens"] == len(PROMPT)
+
+    other = request("b")
+    assert second.get_num_new_matched_tokens(other, 0) == (2 * BLOCK, False)
+    second.update_state_after_alloc(other, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
+    meta = second.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={},
+        )
+    )
+    assert [load.block_id for load in meta.loads] == [3, 4]
+    stats = second.request_finished(other)
+    assert stats == {
+        "prompt_tokens": 11,
+        "reused_tokens": 0,
+        "restored_tokens": 8,
+        "computed_tokens": 3,
+        "family": None,
+    }
+
+
+def test_a_request_waits_while_another_engine_computes_its_blocks(store):
+    first, second = side(store), side(store)
+    req = request("a")
+    first.get_num_new_matched_tokens(req, 0)  # claims both blocks
+    assert second.get_num_new_matched_tokens(request("b"), 0) == (None, False)
+    compute(first, req, len(PROMPT))
+    assert second.get_num_new_matched_tokens(request("b"), 0) == (2 * BLOCK, False)
+
+
+def test_a_leader_that_finishes_without_computing_hands_its_claims_over(store):
+    first, second = side(store), side(store)
+    req = request("a")
+    first.get_num_new_matched_tokens(req, 0)
+    first.request_finished(req)  # e.g. aborted before it was scheduled
+    assert second.get_num_new_matched_tokens(request("b"), 0) == (0, False)  # now leads
+    assert len(second._requests["b"].lead) == 2
+
+
+@pytest.mark.parametrize(
+    "variant", [{"salt": "B"}, {"lora": "x"}], ids=["another cache_salt", "a LoRA adapter"]
+)
+def test_state_never_crosses_salts_or_adapters(store, variant):
+    first, second = side(store), side(store)
+    req = request("a")
+    first.get_num_new_matched_tokens(req, 0)
+    compute(first, req, len(PROMPT))
+    assert second.get_num_new_matched_tokens(request("b", **variant), 0) == (0, False)
+    assert len(second._requests["b"].lead) == 2  # it computes (and leads) its own blocks
+
+
+def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
+    scheduler = side(store)
+    family = {"family": "f", "branches": 2}
+    one, two = request("a", kmesh=family), request("b", kmesh=family)
+    scheduler.get_num_new_matched_tokens(one, 0)
+    compute(scheduler, one, len(PROMPT))
+    with StoreClient(store.socket) as client:
+        assert client.stats()["pinned"] == 2
+        scheduler.get_num_new_matched_tokens(two, 0)
+        assert scheduler.request_finished(one)["family"] == "f"
+        assert client.stats()["pinned"] == 2
+        scheduler.request_finished(two)
+        assert client.stats()["pinned"] == 0
+
+
+def test_without_a_store_vllm_computes_everything(tmp_path):
+    scheduler = SchedulerSide(str(tmp_path / "none.sock"), LAYOUT, "cpu", torch.float32, "m")
+    req = request("a")
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not scheduler.available
+    assert scheduler.request_finished(req)["computed_tokens"] == len(PROMPT)
+
+
+def worker(store) -> tuple[WorkerSide, list[torch.Tensor]]:
+    layers = [torch.randn(6, *PAGE_SHAPE) for _ in LAYERS]
+    side = WorkerSide(store.socket, LAYOUT, "cpu")
+    side.register_kv_caches(dict(zip(LAYERS, layers, strict=True)))
+    return side, layers
+
+
+def test_worker_blocks_round_trip_through_the_store_byte_for_byte(store):
+    source, source_layers = worker(store)
+    target, target_layers = worker(store)
+    key = bytes(32)
+    with StoreClient(store.socket) as client:
+        assert client.acquire([key]).lead == (key,)
+        segment = client.reserve(key, LAYOUT.block_bytes)
+        source.save(KMeshConnectorMetadata(saves=[SaveBlock(None, 2, key, segment)]))
+        saved = source.take_saved()
+        assert saved is not None
+        client.commit(key, saved.saved[(None, key)], source.meta_bytes)
+        hit = client.acquire([key]).hits[0]
+    target.load(KMeshConnectorMetadata(loads=[LoadBlock(None, 5, hit)]))
+    assert target.take_load_errors() == set()
+    for src, dst in zip(source_layers, target_layers, strict=True):
+        assert torch.equal(src[2], dst[5])
+
+
+def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):
+    target, _ = worker(store)
+    key = bytes(32)
+    with StoreClient(store.socket) as client:
+        client.acquire([key])
+        client.publish(key, bytes(LAYOUT.block_bytes), meta={"dtype": "bfloat16"})
+        hit = client.acquire([key]).hits[0]
+    target.load(KMeshConnectorMetadata(loads=[LoadBlock(None, 5, hit)]))
+    assert target.take_load_errors() == {5}
