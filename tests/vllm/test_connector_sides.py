@@ -17,7 +17,7 @@ from kmesh.vllm.worker_side import WorkerSide
 BLOCK = 4
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 PAGE_SHAPE = (2, BLOCK, 8)  # kv heads, block size, 2 * head size
-LAYOUT = BlockLayout(LAYERS, BLOCK, int(np.prod(PAGE_SHAPE)) * 4)
+LAYOUT = BlockLayout(LAYERS, BLOCK, int(np.prod(PAGE_SHAPE)) * 4, torch.float32, "cpu")
 PROMPT = list(range(100, 111))  # 11 tokens: 2 full blocks, both before the last token
 
 
@@ -33,7 +33,7 @@ def request(request_id: str, prompt=PROMPT, salt=None, lora=None, kmesh=None):
 
 
 def side(store) -> SchedulerSide:
-    scheduler = SchedulerSide(store.socket, LAYOUT, "cpu", torch.float32, "tiny-model")
+    scheduler = SchedulerSide(store.socket, LAYOUT, "tiny-model")
     scheduler.bind_block_ids(lambda request_id: ([7, 8, 9],))
     return scheduler
 
@@ -134,7 +134,7 @@ def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
 
 
 def test_without_a_store_vllm_computes_everything(tmp_path):
-    scheduler = SchedulerSide(str(tmp_path / "none.sock"), LAYOUT, "cpu", torch.float32, "m")
+    scheduler = SchedulerSide(str(tmp_path / "none.sock"), LAYOUT, "m")
     req = request("a")
     assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
     assert not scheduler.available
@@ -143,7 +143,7 @@ def test_without_a_store_vllm_computes_everything(tmp_path):
 
 def worker(store) -> tuple[WorkerSide, list[torch.Tensor]]:
     layers = [torch.randn(6, *PAGE_SHAPE) for _ in LAYERS]
-    side = WorkerSide(store.socket, LAYOUT, "cpu")
+    side = WorkerSide(store.socket, LAYOUT)
     side.register_kv_caches(dict(zip(LAYERS, layers, strict=True)))
     return side, layers
 
@@ -175,3 +175,10 @@ def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):
         hit = client.acquire([key]).hits[0]
     target.load(KMeshConnectorMetadata(loads=[LoadBlock(None, 5, hit)]))
     assert target.take_load_errors() == {5}
+
+
+def test_worker_refuses_a_kv_cache_of_another_dtype_than_the_layout(store):
+    side = WorkerSide(store.socket, LAYOUT)
+    layers = {name: torch.zeros(6, *PAGE_SHAPE, dtype=torch.bfloat16) for name in LAYERS}
+    with pytest.raises(ValueError, match="whole pages"):
+        side.register_kv_caches(layers)

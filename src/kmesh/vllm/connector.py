@@ -43,15 +43,15 @@ class KMeshConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         store = self._kv_transfer_config.get_from_extra_config("store", None)
-        layout = BlockLayout.of(kv_cache_config, vllm_config.cache_config.block_size)
-        platform = str(current_platform.device_type)
+        layout = BlockLayout.of(
+            kv_cache_config, vllm_config.cache_config.block_size, current_platform.device_type
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            model = vllm_config.model_config
-            self._scheduler = SchedulerSide(store, layout, platform, model.dtype, model.model)
+            self._scheduler = SchedulerSide(store, layout, vllm_config.model_config.model)
         else:
-            self._worker = WorkerSide(store, layout, platform)
+            self._worker = WorkerSide(store, layout)
 
     # -- worker role ---------------------------------------------------------------------
 

@@ -18,13 +18,15 @@ class BlockLayout:
     layer_names: tuple[str, ...]  # in layer order
     block_size: int  # tokens per block
     page_bytes: int  # one layer's page of one block
+    dtype: torch.dtype  # of the KV cache
+    platform: str  # vLLM's device type: the page layout differs between platforms
 
     @property
     def block_bytes(self) -> int:
         return self.page_bytes * len(self.layer_names)
 
     @classmethod
-    def of(cls, kv_cache_config: Any, block_size: int) -> "BlockLayout":
+    def of(cls, kv_cache_config: Any, block_size: int, platform: str) -> "BlockLayout":
         """From vLLM's KVCacheConfig: one group of full-attention layers is supported."""
         from vllm.model_executor.models.utils import extract_layer_index
 
@@ -35,13 +37,16 @@ class BlockLayout:
                 f"{len(groups)} (hybrid or sliding-window models are not supported yet)"
             )
         names = sorted(groups[0].layer_names, key=extract_layer_index)
-        return cls(tuple(names), block_size, groups[0].kv_cache_spec.page_size_bytes)
+        spec = groups[0].kv_cache_spec
+        return cls(tuple(names), block_size, spec.page_size_bytes, spec.dtype, platform)
 
-    def meta(self, platform: str, dtype: torch.dtype) -> dict[str, Any]:
+    @property
+    def meta(self) -> dict[str, Any]:
+        """What every stored block says of its layout (checked on each load)."""
         return {
             "engine": "vllm",
-            "platform": platform,
-            "dtype": str(dtype),
+            "platform": self.platform,
+            "dtype": str(self.dtype),
             "block_size": self.block_size,
             "layers": len(self.layer_names),
             "page_bytes": self.page_bytes,

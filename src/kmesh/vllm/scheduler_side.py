@@ -63,13 +63,11 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(
-        self, store: str | None, layout: BlockLayout, platform: str, dtype: Any, model: str
-    ) -> None:
+    def __init__(self, store: str | None, layout: BlockLayout, model: str) -> None:
         self.store = store
         self.layout = layout
         self.block_size = layout.block_size
-        self.meta_bytes = encode_meta(layout.meta(platform, dtype))
+        self.meta_bytes = encode_meta(layout.meta)
         self.model = model
         self.fingerprint = model_fingerprint(model)
         self._tokenizer: Any = None

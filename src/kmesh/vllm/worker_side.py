@@ -16,12 +16,11 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, store: str | None, layout: BlockLayout, platform: str) -> None:
+    def __init__(self, store: str | None, layout: BlockLayout) -> None:
         self.store = store
         self.layout = layout
-        self.platform = platform
-        self.meta: dict | None = None
-        self.meta_bytes = b""
+        self.meta = layout.meta
+        self.meta_bytes = encode_meta(layout.meta)
         self._layers: list[torch.Tensor] = []
         self._clients: dict[str | None, StoreClient] = {}
         self._load_errors: set[int] = set()
@@ -31,14 +30,17 @@ class WorkerSide:
         self._layers = [kv_caches[name] for name in self.layout.layer_names]
         first = self._layers[0]
         page = first[0]
-        if not page.is_contiguous() or page.numel() * page.element_size() != self.layout.page_bytes:
+        page_bytes = page.numel() * page.element_size()
+        if (
+            not page.is_contiguous()
+            or page_bytes != self.layout.page_bytes
+            or first.dtype != self.layout.dtype
+        ):
             raise ValueError(
                 f"vLLM's KV cache pages are not contiguous {self.layout.page_bytes}-byte blocks "
-                f"(shape {tuple(first.shape)}, strides {first.stride()}); KMeshConnector copies "
-                "whole pages"
+                f"of {self.layout.dtype} (shape {tuple(first.shape)}, strides {first.stride()}, "
+                f"{first.dtype}); KMeshConnector copies whole pages"
             )
-        self.meta = self.layout.meta(self.platform, first.dtype)
-        self.meta_bytes = encode_meta(self.meta)
 
     def load(self, metadata: KMeshConnectorMetadata) -> None:
         """Fill the blocks the scheduler side found in the store (before the forward pass). A
