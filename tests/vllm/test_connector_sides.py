@@ -182,3 +182,17 @@ def test_worker_refuses_a_kv_cache_of_another_dtype_than_the_layout(store):
     layers = {name: torch.zeros(6, *PAGE_SHAPE, dtype=torch.bfloat16) for name in LAYERS}
     with pytest.raises(ValueError, match="whole pages"):
         side.register_kv_caches(layers)
+
+
+def test_hits_stay_pinned_until_the_request_that_loads_them_finishes(store):
+    first, second = side(store), side(store)
+    req = request("a")
+    first.get_num_new_matched_tokens(req, 0)
+    compute(first, req, len(PROMPT))
+    first.request_finished(req)
+    other = request("b")
+    second.get_num_new_matched_tokens(other, 0)
+    with StoreClient(store.socket) as client:
+        assert client.stats()["pinned"] == 2  # not evictable before the worker loads them
+        second.request_finished(other)
+        assert client.stats()["pinned"] == 0

@@ -59,6 +59,7 @@ class _Tracked:
     loaded_block_ids: set[int] = field(default_factory=set)
     lead: dict[int, bytes] = field(default_factory=dict)  # block index -> key this request leads
     waiting_since: float | None = None
+    load_pinned: bool = False  # store hits pinned for it (see _load_pin)
     running: bool = False
 
 
@@ -100,15 +101,17 @@ class SchedulerSide:
         keys = [bytes(k) for k in tracked.keys[first:]]
         if first >= loadable or not keys:
             return 0, False
+        # Hits stay pinned while the request lives, so none is evicted before the worker loads it.
+        load_pin = _load_pin(request.request_id)
         try:
             client = self._client(tracked.tenant)
-            got = client.acquire(keys)
+            got = client.acquire(keys, family=load_pin)
             if got.waiting_on is not None and first + len(got.hits) < loadable:
                 if tracked.waiting_since is None:
                     tracked.waiting_since = time.monotonic()
                 if time.monotonic() - tracked.waiting_since < MAX_WAIT_S:
                     if not any(t.running for t in self._requests.values()):
-                        got = client.wait(keys, timeout=IDLE_WAIT_S)
+                        got = client.wait(keys, timeout=IDLE_WAIT_S, family=load_pin)
                     if got.waiting_on is not None and first + len(got.hits) < loadable:
                         return None, False
             self._pin_trunk(client, tracked)
@@ -121,6 +124,7 @@ class SchedulerSide:
             if owner == request_id:
                 tracked.lead[offset] = key
         tracked.hits = list(got.hits[: max(0, loadable - first)])
+        tracked.load_pinned = tracked.load_pinned or bool(got.hits)
         return len(tracked.hits) * self.block_size, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -188,9 +192,13 @@ class SchedulerSide:
         ]
         for key in unpublished:
             del self._owner[(tracked.tenant, key)]
-        if unpublished and self.available:
+        if self.available and (unpublished or tracked.load_pinned):
             try:
-                self._client(tracked.tenant).abandon(unpublished)
+                client = self._client(tracked.tenant)
+                if unpublished:
+                    client.abandon(unpublished)
+                if tracked.load_pinned:
+                    client.close_family(_load_pin(request.request_id))
             except StoreError as error:
                 self._failed(error)
         self._end_family_member(tracked)
@@ -324,6 +332,11 @@ def _request_params(request: Any) -> KMeshParams | None:
             "kmesh: request %s: %s; serving it without kmesh metadata", request.request_id, error
         )
         return None
+
+
+def _load_pin(request_id: str) -> str:
+    """The store family that pins a request's hits until it finishes."""
+    return f"kmesh-load:{request_id}"
 
 
 def model_fingerprint(model: str) -> str:
