@@ -59,12 +59,18 @@ def with_connector(store: str, lora: dict, options: dict) -> dict[str, Any]:
     named = prompts(llm.get_tokenizer())
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
-    def run(name: str, salt: str | None = None, adapter: str | None = None) -> dict:
+    def run(
+        name: str, salt: str | None = None, adapter: str | None = None, kmesh: dict | None = None
+    ) -> dict:
         prompt: dict[str, Any] = {"prompt_token_ids": named[name]}
         if salt is not None:
             prompt["cache_salt"] = salt
         request = None if adapter is None else lora[adapter]
-        out = llm.generate([prompt], greedy, lora_request=request, use_tqdm=False)[0]
+        params = greedy
+        if kmesh is not None:
+            params = greedy.clone()
+            params.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
+        out = llm.generate([prompt], params, lora_request=request, use_tqdm=False)[0]
         llm.reset_prefix_cache()
         return {"ids": list(out.outputs[0].token_ids), **out.kv_transfer_params["kmesh"]}
 
@@ -79,6 +85,8 @@ def with_connector(store: str, lora: dict, options: dict) -> dict[str, Any]:
     result["restored"] = run("a")
     result["salt"] = [run("a", salt="A"), run("a", salt="B"), run("a", salt="A")]
     result["lora"] = [run("a", adapter="x"), run("a", adapter="y"), run("a", adapter="x")]
+    full = {"recovery": {"policy": "full"}}
+    result["recovery_full"] = {name: run(name, kmesh=full) for name in ("a", "c", "short")}
     llm.llm_engine.engine_core.shutdown()
     return result
 

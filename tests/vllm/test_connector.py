@@ -63,3 +63,14 @@ def test_an_adapter_never_loads_the_base_models_or_another_adapters_state(result
     # The adapters change the model: loading the wrong state would change outputs.
     assert first_x["ids"] != result["vanilla"]["a"]
     assert y["ids"] != first_x["ids"]
+
+
+def test_recovery_with_policy_full_inside_vllm_gives_vanillas_greedy_outputs(result):
+    """The plumbing of recovery: KMesh's executor fills the claimed blocks of vLLM's paged cache
+    (CPU layout, K transposed) and vLLM decodes from them."""
+    for name, got in result["recovery_full"].items():
+        assert got["ids"] == result["vanilla"][name], name
+        claimed = (got["prompt_tokens"] - 1) // 128 * 128
+        assert got["recovered_tokens"] == claimed
+        assert got["computed_tokens"] == got["prompt_tokens"] - claimed
+    assert result["recovery_full"]["a"]["recovered_tokens"] == TRUNK_TOKENS

@@ -143,7 +143,7 @@ def test_without_a_store_vllm_computes_everything(tmp_path):
 
 def worker(store) -> tuple[WorkerSide, list[torch.Tensor]]:
     layers = [torch.randn(6, *PAGE_SHAPE) for _ in LAYERS]
-    side = WorkerSide(store.socket, LAYOUT)
+    side = WorkerSide(store.socket, LAYOUT, "tiny-model")
     side.register_kv_caches(dict(zip(LAYERS, layers, strict=True)))
     return side, layers
 
@@ -178,7 +178,7 @@ def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):
 
 
 def test_worker_refuses_a_kv_cache_of_another_dtype_than_the_layout(store):
-    side = WorkerSide(store.socket, LAYOUT)
+    side = WorkerSide(store.socket, LAYOUT, "tiny-model")
     layers = {name: torch.zeros(6, *PAGE_SHAPE, dtype=torch.bfloat16) for name in LAYERS}
     with pytest.raises(ValueError, match="whole pages"):
         side.register_kv_caches(layers)

@@ -31,6 +31,18 @@ class SegmentSpec(BaseModel):
     id: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
 
 
+class RecoverySpec(BaseModel):
+    """Recovery inside vLLM: KMeshConnector claims the prompt's full blocks after vLLM's local
+    prefix hit and fills them itself. Only policy "full" exists there so far: every claimed token
+    is recomputed by KMesh's executor on the model's weights (the plumbing, and the fallback of
+    the approximate policies to come). The reference engine computes the whole prompt anyway:
+    there it changes nothing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Literal["full"] = "full"
+
+
 class KMeshParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +50,7 @@ class KMeshParams(BaseModel):
     branches: int | None = Field(default=None, ge=1)
     close: bool = False
     segments: list[SegmentSpec] | None = Field(default=None, min_length=1)
+    recovery: RecoverySpec | None = None
 
     @model_validator(mode="after")
     def _family_fields_need_a_family(self) -> "KMeshParams":

@@ -51,7 +51,7 @@ class KMeshConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(store, layout, vllm_config.model_config.model)
         else:
-            self._worker = WorkerSide(store, layout)
+            self._worker = WorkerSide(store, layout, vllm_config.model_config.model)
 
     # -- worker role ---------------------------------------------------------------------
 
@@ -60,6 +60,7 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._worker_side.load(self._metadata)
+        self._worker_side.recover(self._metadata, forward_context.no_compile_layers)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv

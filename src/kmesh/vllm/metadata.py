@@ -35,10 +35,21 @@ class SaveBlock:
     segment: str  # reserved by the scheduler side
 
 
+@dataclass(frozen=True, slots=True)
+class RecoverTokens:
+    """Fill the request's tokens [start, len(token_ids)) by recovery (policy full: KMesh's
+    executor computes token_ids[0:] and the claimed rows are written)."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+
+
 @dataclass
 class KMeshConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadBlock] = field(default_factory=list)
     saves: list[SaveBlock] = field(default_factory=list)
+    recoveries: list[RecoverTokens] = field(default_factory=list)
 
 
 @dataclass

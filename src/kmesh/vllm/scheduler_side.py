@@ -34,7 +34,13 @@ from kmesh.state.request_meta import (
 from kmesh.store import Hit, StoreClient, StoreError, StoreRefused, StoreUnavailable
 from kmesh.store.client import encode_meta
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock, TenantKey
+from kmesh.vllm.metadata import (
+    KMeshConnectorMetadata,
+    LoadBlock,
+    RecoverTokens,
+    SaveBlock,
+    TenantKey,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,7 @@ class _Tracked:
     hits: list[Hit] = field(default_factory=list)  # loadable store hits after the local hit
     loaded_tokens: int = 0
     loaded_block_ids: set[int] = field(default_factory=set)
+    recovered_tokens: int = 0  # filled by recovery (kmesh.recovery) instead of vLLM
     lead: dict[int, bytes] = field(default_factory=dict)  # block index -> key this request leads
     waiting_since: float | None = None
     load_pinned: bool = False  # store hits pinned for it (see _load_pin)
@@ -77,6 +84,7 @@ class SchedulerSide:
         self._owner: dict[TenantKey, str] = {}  # keys this engine leads -> the leading request
         self._reserved: dict[TenantKey, str] = {}  # segment reserved, waiting for the worker
         self._loads: list[LoadBlock] = []
+        self._recoveries: list[RecoverTokens] = []
         self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
         self._families: dict[str, int] = defaultdict(int)  # finished requests per open family
         self._family_tenants: dict[str, set[str | None]] = defaultdict(set)
@@ -94,10 +102,12 @@ class SchedulerSide:
         tracked = self._track(request)
         tracked.local_tokens = num_computed_tokens
         tracked.hits = []
-        if not self.available:
-            return 0, False
         first = num_computed_tokens // self.block_size
         loadable = (request.num_prompt_tokens - 1) // self.block_size
+        if tracked.params is not None and tracked.params.recovery is not None:
+            return max(0, loadable - first) * self.block_size, False
+        if not self.available:
+            return 0, False
         keys = [bytes(k) for k in tracked.keys[first:]]
         if first >= loadable or not keys:
             return 0, False
@@ -132,6 +142,12 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
+        if tracked.params is not None and tracked.params.recovery is not None:
+            end = tracked.local_tokens + num_external_tokens
+            tokens = list(request.prompt_token_ids[:end])
+            self._recoveries.append(RecoverTokens(tokens, list(block_ids), tracked.local_tokens))
+            tracked.recovered_tokens = num_external_tokens
+            return
         first = tracked.local_tokens // self.block_size
         count = num_external_tokens // self.block_size
         for i, hit in enumerate(tracked.hits[:count]):
@@ -140,8 +156,8 @@ class SchedulerSide:
         tracked.loaded_tokens = count * self.block_size
 
     def build_connector_meta(self, scheduler_output: Any) -> KMeshConnectorMetadata:
-        meta = KMeshConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = KMeshConnectorMetadata(loads=self._loads, recoveries=self._recoveries)
+        self._loads, self._recoveries = [], []
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -207,7 +223,11 @@ class SchedulerSide:
             "prompt_tokens": prompt,
             "reused_tokens": tracked.local_tokens,
             "restored_tokens": tracked.loaded_tokens,
-            "computed_tokens": prompt - tracked.local_tokens - tracked.loaded_tokens,
+            "recovered_tokens": tracked.recovered_tokens,
+            "computed_tokens": prompt
+            - tracked.local_tokens
+            - tracked.loaded_tokens
+            - tracked.recovered_tokens,
             "family": None if tracked.params is None else tracked.params.family,
         }
         return stats

@@ -1,24 +1,43 @@
 """The connector's worker half: copies whole blocks between the store's shared memory and
-vLLM's paged KV cache. It never claims or commits; see metadata.py."""
+vLLM's paged KV cache, and writes the KV of recovered tokens into it. It never claims or
+commits; see metadata.py.
+
+Recovery runs KMesh's layerwise executor in the worker. vLLM hands a connector neither the model
+nor, on CPU, usable weights (vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm
+prepacks every linear layer and leaves its `weight` empty), so the executor loads the same
+model folder itself (a second copy of the weights) and computes in float32. Its rows are written
+with vLLM's own cache-write op (`cpu_attn_reshape_and_cache`, with the attention layer's ISA), so
+the page layout (on CPU, K transposed inside each block) is vLLM's by construction.
+"""
 
 import logging
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
 
+from kmesh.compute.executor import Executor, SequenceInput
+from kmesh.compute.loader import load_model
 from kmesh.store import StoreClient, StoreError
 from kmesh.store.client import encode_meta, write_segment
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
+from kmesh.vllm.metadata import (
+    KMeshConnectorMetadata,
+    KMeshWorkerMetadata,
+    RecoverTokens,
+    TenantKey,
+)
 
 log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, store: str | None, layout: BlockLayout) -> None:
+    def __init__(self, store: str | None, layout: BlockLayout, model: str) -> None:
         self.store = store
         self.layout = layout
+        self.model = model
+        self._executor: Executor | None = None
         self.meta = layout.meta
         self.meta_bytes = encode_meta(layout.meta)
         self._layers: list[torch.Tensor] = []
@@ -59,6 +78,11 @@ class WorkerSide:
                 )
                 self._load_errors.add(load.block_id)
 
+    def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:
+        """Fill the claimed tokens of recovery requests (policy full) before the forward pass."""
+        for job in metadata.recoveries:
+            self._recover(job, attention_layers)
+
     def save(self, metadata: KMeshConnectorMetadata) -> None:
         """Copy the blocks computed this step into the segments the store reserved for them."""
         for save in metadata.saves:
@@ -77,6 +101,41 @@ class WorkerSide:
                 log.warning("kmesh: block %d not saved: %s", save.block_id, error)
                 crc = None
             self._saved[(save.tenant, save.key)] = crc
+
+    def _recover(self, job: RecoverTokens, attention_layers: dict[str, Any]) -> None:
+        from vllm import _custom_ops as ops
+
+        if self.layout.platform != "cpu" or self.layout.dtype != torch.float32:
+            raise ValueError(
+                "KMesh recovery inside vLLM runs on CPU with a float32 KV cache only so far; "
+                f"this engine is {self.layout.platform} / {self.layout.dtype}"
+            )
+        executor = self._executor_of_model()
+        n = len(job.token_ids)
+        with torch.inference_mode():
+            out = executor.forward([SequenceInput(torch.tensor(job.token_ids), torch.arange(n))])[0]
+        block = self.layout.block_size
+        positions = torch.arange(job.start, n)
+        table = torch.tensor(job.block_ids)
+        slots = table[positions // block] * block + positions % block
+        for index, (name, layer) in enumerate(
+            zip(self.layout.layer_names, self._layers, strict=True)
+        ):
+            pages = layer.view(layer.shape[0], layer.shape[1], 2 * block, -1)
+            key_cache, value_cache = pages.chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(
+                out.k[index][job.start :].contiguous(),
+                out.v[index][job.start :].contiguous(),
+                key_cache,
+                value_cache,
+                slots,
+                attention_layers[name].isa,
+            )
+
+    def _executor_of_model(self) -> Executor:
+        if self._executor is None:
+            self._executor = load_model(self.model).executor
+        return self._executor
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
