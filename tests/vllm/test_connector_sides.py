@@ -83,6 +83,7 @@ def test_the_first_engine_computes_and_publishes_the_next_restores(store):
         "prompt_tokens": 11,
         "reused_tokens": 0,
         "restored_tokens": 8,
+        "recovered_tokens": 0,
         "computed_tokens": 3,
         "family": None,
     }
@@ -131,6 +132,29 @@ def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
         assert client.stats()["pinned"] == 2
         scheduler.request_finished(two)
         assert client.stats()["pinned"] == 0
+
+
+def test_a_recovery_request_claims_its_full_blocks_after_the_local_hit(store):
+    scheduler = side(store)
+    req = request("a", kmesh={"recovery": {"policy": "full"}})
+    assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (BLOCK, False)  # block 1
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 4)
+    meta = scheduler.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={},
+        )
+    )
+    (job,) = meta.recoveries
+    assert (job.token_ids, job.block_ids, job.start) == (PROMPT[:8], [3, 4, 5], BLOCK)
+    assert meta.loads == meta.saves == []  # recovery does not use the store
+    stats = scheduler.request_finished(req)
+    assert (stats["reused_tokens"], stats["recovered_tokens"], stats["computed_tokens"]) == (
+        4,
+        4,
+        3,
+    )
 
 
 def test_without_a_store_vllm_computes_everything(tmp_path):
