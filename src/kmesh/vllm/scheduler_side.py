@@ -116,12 +116,14 @@ class SchedulerSide:
         try:
             client = self._client(tracked.tenant)
             got = client.acquire(keys, family=load_pin)
+            tracked.load_pinned = tracked.load_pinned or bool(got.hits)
             if got.waiting_on is not None and first + len(got.hits) < loadable:
                 if tracked.waiting_since is None:
                     tracked.waiting_since = time.monotonic()
                 if time.monotonic() - tracked.waiting_since < MAX_WAIT_S:
                     if not any(t.running for t in self._requests.values()):
                         got = client.wait(keys, timeout=IDLE_WAIT_S, family=load_pin)
+                        tracked.load_pinned = tracked.load_pinned or bool(got.hits)
                     if got.waiting_on is not None and first + len(got.hits) < loadable:
                         return None, False
             self._pin_trunk(client, tracked)
@@ -134,7 +136,6 @@ class SchedulerSide:
             if owner == request_id:
                 tracked.lead[offset] = key
         tracked.hits = list(got.hits[: max(0, loadable - first)])
-        tracked.load_pinned = tracked.load_pinned or bool(got.hits)
         return len(tracked.hits) * self.block_size, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
