@@ -11,6 +11,9 @@ name and path, cache_salt, parent key, block tokens):
   segment, the worker copies the block into it, and the scheduler commits it with its checksum.
 Every store failure falls back to vLLM computing the tokens itself.
 
+A request asking for recovery (`"recovery": {"policy": "full"}`) skips the store: its full blocks
+after the local hit are claimed and filled by the worker half with KMesh's executor.
+
 Families (see kmesh.state.request_meta): the trunk's blocks (the leading shared segments, or the
 whole prompt without segments) are pinned in the store for the family while it is open here.
 """
