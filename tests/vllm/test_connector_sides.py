@@ -21,6 +21,14 @@ LAYOUT = BlockLayout(LAYERS, BLOCK, int(np.prod(PAGE_SHAPE)) * 4, torch.float32,
 PROMPT = list(range(100, 111))  # 11 tokens: 2 full blocks, both before the last token
 
 
+# A step that scheduled no request (loads and recoveries still go out).
+NOTHING_SCHEDULED = SimpleNamespace(
+    scheduled_new_reqs=[],
+    scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    num_scheduled_tokens={},
+)
+
+
 def request(request_id: str, prompt=PROMPT, salt=None, lora=None, kmesh=None):
     return SimpleNamespace(
         request_id=request_id,
@@ -70,13 +78,7 @@ def test_the_first_engine_computes_and_publishes_the_next_restores(store):
     other = request("b")
     assert second.get_num_new_matched_tokens(other, 0) == (2 * BLOCK, False)
     second.update_state_after_alloc(other, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
-    meta = second.build_connector_meta(
-        SimpleNamespace(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={},
-        )
-    )
+    meta = second.build_connector_meta(NOTHING_SCHEDULED)
     assert [load.block_id for load in meta.loads] == [3, 4]
     stats = second.request_finished(other)
     assert stats == {
@@ -139,13 +141,7 @@ def test_a_recovery_request_claims_its_full_blocks_after_the_local_hit(store):
     req = request("a", kmesh={"recovery": {"policy": "full"}})
     assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (BLOCK, False)  # block 1
     scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 4)
-    meta = scheduler.build_connector_meta(
-        SimpleNamespace(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={},
-        )
-    )
+    meta = scheduler.build_connector_meta(NOTHING_SCHEDULED)
     (job,) = meta.recoveries
     assert (job.token_ids, job.block_ids, job.start) == (PROMPT[:8], [3, 4, 5], BLOCK)
     assert meta.loads == meta.saves == []  # recovery does not use the store

@@ -8,7 +8,7 @@ from kmesh.engine.sequence import Sequence
 from kmesh.engine.store_link import StoreLink
 from kmesh.index.prefix_index import PrefixIndex
 from kmesh.kv.block_pool import BlockPool
-from kmesh.state.keys import KeyNamespace, block_key
+from kmesh.state.keys import KeyNamespace, extend_block_keys
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -38,12 +38,9 @@ class KVCacheManager:
 
     def extend_keys(self, seq: Sequence, num_full_blocks: int) -> None:
         """Compute the chained keys of the sequence's first `num_full_blocks` full blocks."""
-        bs = self.block_size
-        namespace = self._namespace(seq)
-        while len(seq.block_keys) < num_full_blocks:
-            start = len(seq.block_keys) * bs
-            parent = seq.block_keys[-1] if seq.block_keys else None
-            seq.block_keys.append(block_key(namespace, parent, seq.token_ids[start : start + bs]))
+        if len(seq.block_keys) < num_full_blocks:
+            tokens = seq.token_ids[: num_full_blocks * self.block_size]
+            extend_block_keys(seq.block_keys, self._namespace(seq), tokens, self.block_size)
 
     def admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence its block table, reusing cached full blocks of its prefix.

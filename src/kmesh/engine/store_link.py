@@ -26,7 +26,7 @@ import torch
 
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedKVCache
-from kmesh.store import StoreClient, StoreError, StoreRefused, StoreUnavailable
+from kmesh.store import StoreError, StoreRefused, StoreUnavailable, TenantClients
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class StoreLink:
         self.cache = cache
         self.wait_seconds = wait_seconds
         self.available = True
-        self._clients: dict[str | None, StoreClient] = {}
+        self._client = TenantClients(socket_path)
         self._claims: dict[int, _Claims] = {}  # by id(seq)
         k = cache.k
         # A block's payload: K and V of every layer.
@@ -115,14 +115,7 @@ class StoreLink:
             self._failed(seq, error, 0)
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-
-    def _client(self, tenant: str | None) -> StoreClient:
-        if tenant not in self._clients:
-            self._clients[tenant] = StoreClient(self.socket_path, tenant=tenant)
-        return self._clients[tenant]
+        self._client.close()
 
     def _failed(self, seq: Sequence, error: StoreError, restored: int) -> int:
         if isinstance(error, StoreUnavailable):

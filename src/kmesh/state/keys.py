@@ -62,6 +62,16 @@ def block_key(
     return BlockHash(digest.digest())
 
 
+def extend_block_keys(
+    keys: list[BlockHash], namespace: KeyNamespace, token_ids: Sequence[int], block_size: int
+) -> None:
+    """Append to `keys` (the chain of the first len(keys) blocks of `token_ids`) the keys of
+    every further full block."""
+    for start in range(len(keys) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = keys[-1] if keys else None
+        keys.append(block_key(namespace, parent, token_ids[start : start + block_size]))
+
+
 def segment_key(namespace: KeyNamespace, token_ids: Sequence[int], context: str) -> bytes:
     """Key of a position-independent segment: namespace, its tokens and a tag naming the context
     its KV was computed in (the same tokens computed after different text have different KV)."""

@@ -13,6 +13,7 @@ from kmesh.store.client import (
     StoreError,
     StoreRefused,
     StoreUnavailable,
+    TenantClients,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "StoreError",
     "StoreRefused",
     "StoreUnavailable",
+    "TenantClients",
 ]

@@ -467,3 +467,22 @@ class StoreClient:
     def _unexpected(self, answer: AnyAnswer) -> StoreUnavailable:
         self.close()
         return StoreUnavailable(f"unexpected answer from the store: {answer!r:.200}")
+
+
+class TenantClients:
+    """One StoreClient per tenant salt on one socket, opened on first use (the store files
+    entries by tenant, and a client speaks for one)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self._clients: dict[str | None, StoreClient] = {}
+
+    def __call__(self, tenant: str | None) -> StoreClient:
+        if tenant not in self._clients:
+            self._clients[tenant] = StoreClient(self.socket_path, tenant=tenant)
+        return self._clients[tenant]
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

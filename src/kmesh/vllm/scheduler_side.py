@@ -27,14 +27,21 @@ from typing import Any
 
 from kmesh.compute.loader import fingerprint_files
 from kmesh.errors import KMeshError
-from kmesh.state.keys import BlockHash, KeyNamespace, block_key
+from kmesh.state.keys import BlockHash, KeyNamespace, extend_block_keys
 from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
     KMeshParams,
     encode_segments,
     parse_kmesh_params,
 )
-from kmesh.store import Hit, StoreClient, StoreError, StoreRefused, StoreUnavailable
+from kmesh.store import (
+    Hit,
+    StoreClient,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+    TenantClients,
+)
 from kmesh.store.client import encode_meta
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import (
@@ -82,10 +89,13 @@ class SchedulerSide:
         self.model = model
         self.fingerprint = model_fingerprint(model)
         self._tokenizer: Any = None
-        self._clients: dict[str | None, StoreClient] = {}
+        self._client = TenantClients(
+            store or ""
+        )  # without a store never used (it would be unavailable)
         self._requests: dict[str, _Tracked] = {}
         self._owner: dict[TenantKey, str] = {}  # keys this engine leads -> the leading request
-        self._reserved: dict[TenantKey, str] = {}  # segment reserved, waiting for the worker
+        # Reserved, waiting for the worker's copy -> the family to pin the entry for, if any.
+        self._reserved: dict[TenantKey, str | None] = {}
         self._loads: list[LoadBlock] = []
         self._recoveries: list[RecoverTokens] = []
         self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
@@ -178,16 +188,10 @@ class SchedulerSide:
 
     def update_connector_output(self, saved: dict[TenantKey, int | None]) -> None:
         for (tenant, key), crc in saved.items():
-            request_id = self._owner.pop((tenant, key), None)
-            self._reserved.pop((tenant, key), None)
+            self._owner.pop((tenant, key), None)
+            family = self._reserved.pop((tenant, key), None)
             if not self.available:
                 continue
-            tracked = self._requests.get(request_id) if request_id else None
-            family = None
-            if tracked is not None and tracked.params is not None:
-                index = next((i for i, k in enumerate(tracked.keys) if k == key), None)
-                if index is not None and index < tracked.trunk_blocks:
-                    family = tracked.params.family
             try:
                 client = self._client(tenant)
                 if crc is None:
@@ -244,9 +248,7 @@ class SchedulerSide:
             tracked.loaded_tokens -= lost * self.block_size
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        self._client.close()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -261,12 +263,8 @@ class SchedulerSide:
             adapter=None if lora is None else f"{lora.lora_name}@{lora.lora_path}",
             tenant_salt=request.cache_salt,
         )
-        tokens = list(request.prompt_token_ids or [])
         keys: list[BlockHash] = []
-        parent: BlockHash | None = None
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            parent = block_key(namespace, parent, tokens[start : start + self.block_size])
-            keys.append(parent)
+        extend_block_keys(keys, namespace, request.prompt_token_ids or [], self.block_size)
         trunk = self._trunk_blocks(params, len(keys))
         tracked = _Tracked(request.cache_salt, params, keys, trunk)
         self._requests[request.request_id] = tracked
@@ -307,7 +305,9 @@ class SchedulerSide:
             except StoreError as error:
                 self._failed(error)
                 return saves
-            self._reserved[(tracked.tenant, key)] = segment
+            params, in_trunk = tracked.params, index < tracked.trunk_blocks
+            family = params.family if params is not None and in_trunk else None
+            self._reserved[(tracked.tenant, key)] = family
             saves.append(SaveBlock(tracked.tenant, block_ids[index], key, segment))
         return saves
 
@@ -327,12 +327,6 @@ class SchedulerSide:
                         self._client(tenant).close_family(family)
                     except StoreError as error:
                         self._failed(error)
-
-    def _client(self, tenant: str | None) -> StoreClient:
-        assert self.store is not None
-        if tenant not in self._clients:
-            self._clients[tenant] = StoreClient(self.store, tenant=tenant)
-        return self._clients[tenant]
 
     def _failed(self, error: StoreError) -> None:
         if isinstance(error, StoreUnavailable):

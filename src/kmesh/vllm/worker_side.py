@@ -19,7 +19,7 @@ import torch
 
 from kmesh.compute.executor import Executor, SequenceInput
 from kmesh.compute.loader import load_model
-from kmesh.store import StoreClient, StoreError
+from kmesh.store import StoreError, TenantClients
 from kmesh.store.client import encode_meta, write_segment
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import (
@@ -41,7 +41,9 @@ class WorkerSide:
         self.meta = layout.meta
         self.meta_bytes = encode_meta(layout.meta)
         self._layers: list[torch.Tensor] = []
-        self._clients: dict[str | None, StoreClient] = {}
+        self._client = TenantClients(
+            store or ""
+        )  # without a store never used (it would be unavailable)
         self._load_errors: set[int] = set()
         self._saved: dict[TenantKey, int | None] = {}
 
@@ -148,15 +150,7 @@ class WorkerSide:
         return KMeshWorkerMetadata(saved)
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-
-    def _client(self, tenant: str | None) -> StoreClient:
-        assert self.store is not None, "loads come only from a connector with a store"
-        if tenant not in self._clients:
-            self._clients[tenant] = StoreClient(self.store, tenant=tenant)
-        return self._clients[tenant]
+        self._client.close()
 
     def _copy_in(self, block_id: int, data: memoryview) -> None:
         with warnings.catch_warnings():  # read-only shared memory: torch only reads from it
