@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from kmesh.errors import InvalidRequestError, KMeshError
 
@@ -208,6 +209,10 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         workload = AllGatherConfig(
             args.agents or 8, args.rounds or 3, args.order or "shuffle", args.seed
         )
+    if args.engine == "vllm":
+        trace = (trace_model, turns) if args.trace is not None else None
+        _bench_allgather_vllm(args, cfg, workload, trace)
+        return
     console = Console(stderr=True)
     model = load_model(args.model)
     engine = Engine(model.executor, model.fingerprint)
@@ -243,6 +248,36 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     write_json(args.json, report)
     if args.report is not None:
         print(f"wrote {write_report(report, Path(args.report))}")
+
+
+def _bench_allgather_vllm(
+    args: argparse.Namespace, cfg: Any, workload: Any, trace: tuple[str, Any] | None
+) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.allgather_report import print_table, report_console
+    from kmesh.bench.allgather_vllm import run_vllm_allgather_bench
+    from kmesh.compute.loader import resolve_model_dir
+    from kmesh.vllm.scheduler_side import model_fingerprint
+
+    unsupported = [f"--{n}" for n in ("sweep", "scale", "report") if getattr(args, n)]
+    if trace is None or unsupported:
+        raise InvalidRequestError(
+            "--engine vllm replays a trace (give --trace, made by `kmesh workload allgather`) "
+            "and takes no --sweep, --scale or --report"
+        )
+    trace_model, turns = trace
+    fingerprint = model_fingerprint(str(resolve_model_dir(args.model)))
+    if trace_model != fingerprint:
+        raise InvalidRequestError(
+            f"trace {args.trace!r} was generated with another model (fingerprint "
+            f"{trace_model[:12]}, this model is {fingerprint[:12]}); regenerate it with "
+            "`kmesh workload allgather`"
+        )
+    console = Console(stderr=True)
+    report = run_vllm_allgather_bench(turns, cfg, workload, args.model, progress=console.log)
+    print_table(report, report_console())
+    write_json(args.json, report)
 
 
 def _bench_restore(args: argparse.Namespace) -> None:
@@ -439,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
     gather.add_argument("--json", required=True, help="where to write the report")
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
     gather.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    gather.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="reference: KMesh's own engine; vllm: vLLM with KMeshConnector (needs --trace)",
+    )
     gather.set_defaults(func=_bench_allgather)
 
     restore = benches.add_parser(

@@ -192,39 +192,11 @@ class AllGatherBench:
         raise ValueError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
 
     def summary(self, run: StrategyRun) -> dict[str, Any]:
-        return _summary(run, self.reference)
+        return summary_of(run, self.reference)
 
     def report(self) -> dict[str, Any]:
         runs = {name: self.summary(self.run(name)) for name in STRATEGIES}
-        per_request, collective = runs["per_request"], runs["collective"]
-        dense = runs["full"]["kv_bytes_per_agent"]
-        return {
-            "hardware": hardware(),
-            "note": (
-                "CPU figures are functional/trend results, not comparable to the papers' GPU "
-                "numbers"
-            ),
-            "config": self.config_dict(),
-            "strategies": runs,
-            "comparison": {
-                "computed_collective_over_per_request": _ratio(
-                    collective["computed_tokens"], per_request["computed_tokens"]
-                ),
-                "seconds_collective_over_per_request": _ratio(
-                    collective["prefill_seconds"], per_request["prefill_seconds"]
-                ),
-                "computed_collective_over_per_request_reuse_rounds": _ratio(
-                    collective["computed_tokens_reuse_rounds"],
-                    per_request["computed_tokens_reuse_rounds"],
-                ),
-                "seconds_collective_over_per_request_reuse_rounds": _ratio(
-                    collective["prefill_seconds_reuse_rounds"],
-                    per_request["prefill_seconds_reuse_rounds"],
-                ),
-                "kv_dense_over_collective": _ratio(dense, collective["kv_bytes_per_agent"]),
-                "kv_dense_over_mirror": _ratio(dense, collective["kv_bytes_mirror_per_agent"]),
-            },
-        }
+        return strategies_report(runs, self.config_dict())
 
     def sweep(self, policies: Sequence[str], ratios: Sequence[float]) -> list[dict[str, Any]]:
         """Quality and compute vs ratio, per policy: per_request's recompute ratio; collective's
@@ -583,7 +555,7 @@ def hardware() -> str:
     )
 
 
-def _summary(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
+def summary_of(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
     keys = sorted(run.greedy)
     quality = Quality.measure(
         torch.stack([reference.logits[k] for k in keys]),
@@ -606,6 +578,38 @@ def _summary(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
         "check_deviation_max": round(max(run.deviations), 4) if run.deviations else None,
         "quality": quality.as_dict(),
         **run.extra,
+    }
+
+
+def strategies_report(runs: dict[str, dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """The report of the four strategies' summaries (the JSON both engines' benches write)."""
+    per_request, collective = runs["per_request"], runs["collective"]
+    dense = runs["full"]["kv_bytes_per_agent"]
+    return {
+        "hardware": hardware(),
+        "note": (
+            "CPU figures are functional/trend results, not comparable to the papers' GPU numbers"
+        ),
+        "config": config,
+        "strategies": runs,
+        "comparison": {
+            "computed_collective_over_per_request": _ratio(
+                collective["computed_tokens"], per_request["computed_tokens"]
+            ),
+            "seconds_collective_over_per_request": _ratio(
+                collective["prefill_seconds"], per_request["prefill_seconds"]
+            ),
+            "computed_collective_over_per_request_reuse_rounds": _ratio(
+                collective["computed_tokens_reuse_rounds"],
+                per_request["computed_tokens_reuse_rounds"],
+            ),
+            "seconds_collective_over_per_request_reuse_rounds": _ratio(
+                collective["prefill_seconds_reuse_rounds"],
+                per_request["prefill_seconds_reuse_rounds"],
+            ),
+            "kv_dense_over_collective": _ratio(dense, collective["kv_bytes_per_agent"]),
+            "kv_dense_over_mirror": _ratio(dense, collective["kv_bytes_mirror_per_agent"]),
+        },
     }
 
 

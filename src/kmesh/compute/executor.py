@@ -117,9 +117,10 @@ class Executor:
         for index in layers:
             layer = self.weights.layers[index]
             h = self._rms_norm(x, layer.input_norm)
-            q = F.linear(h, layer.q_proj).view(-1, cfg.num_heads, cfg.head_dim)
-            k = F.linear(h, layer.k_proj).view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = F.linear(h, layer.v_proj).view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = layer.qkv(h)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             q_seqs = q.split(lengths)
@@ -136,12 +137,8 @@ class Executor:
                     )
                 )
             attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
-            x = x + F.linear(attn, layer.o_proj)
-            h = self._rms_norm(x, layer.post_attention_norm)
-            x = x + F.linear(
-                F.silu(F.linear(h, layer.gate_proj)) * F.linear(h, layer.up_proj),
-                layer.down_proj,
-            )
+            x = x + layer.o(attn)
+            x = x + layer.mlp(self._rms_norm(x, layer.post_attention_norm))
         residuals = x.split(lengths)
         hidden = self._rms_norm(x, self.weights.final_norm).split(lengths)
         return [

@@ -1,12 +1,37 @@
-"""Llama weights gathered from a Hugging Face style state dict."""
+"""Llama weights gathered from a Hugging Face style state dict.
 
-from collections.abc import Mapping
+The executor reaches a layer's projections through `Layer` (qkv / o / mlp), not through its
+tensors, so the same executor also runs on modules whose weights live elsewhere (vLLM's linear
+layers, which on CPU keep their weights prepacked: kmesh/vllm/model_bridge.py).
+"""
+
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from kmesh.compute.config import ModelConfig
 from kmesh.errors import ModelNotFoundError
+
+
+class Layer(Protocol):
+    """One decoder layer as the executor uses it: its two norm weights and three projections."""
+
+    @property
+    def input_norm(self) -> torch.Tensor: ...
+
+    @property
+    def post_attention_norm(self) -> torch.Tensor: ...
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, hidden] -> q [n, heads * head_dim], k and v [n, kv_heads * head_dim]."""
+        ...
+
+    def o(self, attn: torch.Tensor) -> torch.Tensor: ...
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,11 +46,22 @@ class LayerWeights:
     up_proj: torch.Tensor
     down_proj: torch.Tensor
 
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return F.linear(h, self.q_proj), F.linear(h, self.k_proj), F.linear(h, self.v_proj)
+
+    def o(self, attn: torch.Tensor) -> torch.Tensor:
+        return F.linear(attn, self.o_proj)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(
+            F.silu(F.linear(h, self.gate_proj)) * F.linear(h, self.up_proj), self.down_proj
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class LlamaWeights:
     embed_tokens: torch.Tensor
-    layers: tuple[LayerWeights, ...]
+    layers: Sequence[Layer]
     final_norm: torch.Tensor
     # The output projection; the embedding itself when the model ties them.
     lm_head: torch.Tensor

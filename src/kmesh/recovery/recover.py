@@ -15,7 +15,8 @@ prefix and the reused KV of everything not recomputed (the executor's subset pri
 
 The quality gate: with a threshold set, the check layer is computed for every region (also for
 policies that do not need it) and a region whose mean relative deviation exceeds the threshold is
-recomputed in full: the safe fallback. Layer 0 cannot serve as check layer: its keys depend on the
+recomputed in full: the safe fallback (or, with `recompute_on_gate` off, left to the caller). Layer
+0 cannot serve as check layer: its keys depend on the
 token and position only, so re-rotated keys never deviate there.
 
 Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
@@ -38,6 +39,9 @@ class RecoveryConfig:
     check_layer: int = 1
     gate: float | None = None  # mean relative deviation above which a region is recomputed
     seed: int = 0
+    # A gated region is recomputed here in full; without, it is left alone (fell_back, k/v not
+    # filled) for the caller's own fallback (vLLM's ordinary prefill, kmesh/vllm/recovery.py).
+    recompute_on_gate: bool = True
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -109,7 +113,9 @@ def recover(
     later = range(cfg.check_layer + 1, layers)
     inputs: dict[int, SequenceInput] = {}
     residuals: dict[int, torch.Tensor] = {}
-    for i, (region, (chosen, _, _)) in enumerate(zip(regions, plans, strict=True)):
+    for i, (region, (chosen, _, fell_back)) in enumerate(zip(regions, plans, strict=True)):
+        if fell_back and not cfg.recompute_on_gate:
+            continue
         compute = torch.sort(torch.cat((chosen, torch.nonzero(~region.reusable)[:, 0]))).values
         if len(compute) == 0:
             continue

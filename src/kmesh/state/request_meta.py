@@ -20,27 +20,63 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kmesh.errors import InvalidRequestError
 
 KMESH_PARAMS_KEY = "kmesh"
+# Approximate recovery is served only under a cache_salt starting with this: vLLM's prefix cache
+# files blocks under the salt, so approximate KV never reaches a request that did not ask for it.
+APPROX_SALT_PREFIX = "kmesh-approx"
 MAX_NAME_CHARS = 200
 
 
 class SegmentSpec(BaseModel):
+    """One segment: its text, or its token ids when the caller tokenized it (exactly one)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    text: str = Field(min_length=1)
+    text: str | None = Field(default=None, min_length=1)
+    token_ids: list[int] | None = Field(default=None, min_length=1)
     role: Literal["shared", "private", "instruction"] = "private"
     id: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+
+    @model_validator(mode="after")
+    def _text_or_tokens(self) -> "SegmentSpec":
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("a segment needs exactly one of 'text' and 'token_ids'")
+        return self
+
+
+class RoundSpec(BaseModel):
+    """An All-Gather round: the siblings that read the same outputs name the same round id and
+    list the ids of the round's output segments (canonical order). KMeshConnector recovers those
+    outputs once per round (the master) and places them in each sibling (its mirror)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    segments: list[str] = Field(min_length=1)
+    # Share of the outputs recomputed in the round's common context (1.0: computed in full).
+    shared_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 
 
 class RecoverySpec(BaseModel):
     """Recovery inside vLLM: KMeshConnector claims the prompt's full blocks after vLLM's local
-    prefix hit and fills them itself. Only policy "full" exists there so far: every claimed token
-    is recomputed by KMesh's executor on the model's weights (the plumbing, and the fallback of
-    the approximate policies to come). The reference engine computes the whole prompt anyway:
-    there it changes nothing."""
+    prefix hit and fills them itself (kmesh/vllm/recovery.py). Policy "full" recomputes every
+    claimed token with KMesh's executor on vLLM's weights (exact up to float rounding); the other
+    policies reuse stored segment KV, re-rotated, and recompute `ratio` of it: approximate, so they
+    need a cache_salt starting with APPROX_SALT_PREFIX (vLLM's prefix cache then keeps their blocks
+    apart from exact requests). A region whose check-layer key deviation exceeds `gate` is left
+    to vLLM's ordinary prefill. The reference engine computes the whole prompt anyway: there it
+    changes nothing."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: Literal["full"] = "full"
+    policy: Literal["none", "full", "kv_deviation", "first_k", "random"] = "full"
+    ratio: float = Field(default=0.3, ge=0.0, le=1.0)
+    gate: float | None = Field(default=0.1, ge=0.0)
+    check_layer: int = Field(default=1, ge=1)
+    round: RoundSpec | None = None
+
+    @property
+    def approximate(self) -> bool:
+        return self.policy != "full" or self.round is not None
 
 
 class KMeshParams(BaseModel):
@@ -53,25 +89,25 @@ class KMeshParams(BaseModel):
     recovery: RecoverySpec | None = None
 
     @model_validator(mode="after")
-    def _family_fields_need_a_family(self) -> "KMeshParams":
+    def _check_references(self) -> "KMeshParams":
         if self.family is None and (self.branches is not None or self.close):
             raise ValueError("'branches' and 'close' need a 'family'")
+        round_ = None if self.recovery is None else self.recovery.round
+        if round_ is not None:
+            if self.family is None:
+                raise ValueError("a recovery round needs a 'family' (its rounds share a context)")
+            ids = {s.id for s in self.segments or []}
+            missing = [i for i in round_.segments if i not in ids]
+            if missing:
+                raise ValueError(f"recovery.round.segments names unknown segment ids {missing}")
         return self
 
     @property
     def prompt_text(self) -> str | None:
-        """The prompt the segments spell, or None without segments."""
-        return None if self.segments is None else "".join(s.text for s in self.segments)
-
-    @property
-    def trunk_texts(self) -> list[str]:
-        """Texts of the leading shared segments (the family's trunk)."""
-        trunk = []
-        for segment in self.segments or []:
-            if segment.role != "shared":
-                break
-            trunk.append(segment.text)
-        return trunk
+        """The prompt the segments spell, or None without segments (or with token-id ones)."""
+        if self.segments is None or any(s.text is None for s in self.segments):
+            return None
+        return "".join(s.text or "" for s in self.segments)
 
 
 def parse_kmesh_params(value: object) -> KMeshParams:
@@ -90,14 +126,26 @@ def encode_segments(tokenizer: Any, params: KMeshParams) -> tuple[list[int], int
     """The prompt's token ids as the concatenation of each segment's own tokens (so segment
     boundaries fall on token boundaries, and every engine sees the same ids), and the number
     of trunk tokens (the leading shared segments)."""
+    ids, spans = segment_spans(tokenizer, params)
+    trunk = 0
+    for segment, (_, end) in zip(params.segments or [], spans, strict=True):
+        if segment.role != "shared":
+            break
+        trunk = end
+    return ids, trunk
+
+
+def segment_spans(tokenizer: Any, params: KMeshParams) -> tuple[list[int], list[tuple[int, int]]]:
+    """The prompt's token ids and each segment's [start, end) in them."""
     if params.segments is None:
         raise InvalidRequestError("kmesh.segments is missing: there is nothing to encode")
     ids: list[int] = list(tokenizer("", add_special_tokens=True)["input_ids"])
-    trunk = len(ids) if params.trunk_texts else 0
-    in_trunk = bool(params.trunk_texts)
+    spans = []
     for segment in params.segments:
-        ids.extend(tokenizer(segment.text, add_special_tokens=False)["input_ids"])
-        in_trunk = in_trunk and segment.role == "shared"
-        if in_trunk:
-            trunk = len(ids)
-    return ids, trunk
+        start = len(ids)
+        if segment.token_ids is not None:
+            ids.extend(segment.token_ids)
+        else:
+            ids.extend(tokenizer(segment.text, add_special_tokens=False)["input_ids"])
+        spans.append((start, len(ids)))
+    return ids, spans

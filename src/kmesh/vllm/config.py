@@ -13,6 +13,9 @@ from kmesh.compute.loader import resolve_model_dir
 CONNECTOR_NAME = "KMeshConnector"
 CONNECTOR_MODULE = "kmesh.vllm.connector"
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# vLLM's worker_extension_cls (kmesh/vllm/worker_extension.py) and its method.
+WORKER_EXTENSION = "kmesh.vllm.worker_extension.KMeshWorkerExtension"
+ATTACH = "kmesh_attach"
 
 
 def kv_transfer_config(store: str | None) -> dict[str, Any]:
@@ -49,5 +52,12 @@ def vllm_engine_kwargs(
     }
     if connector:
         kwargs["kv_transfer_config"] = kv_transfer_config(store)
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
     kwargs.update(overrides)
     return kwargs
+
+
+def attach(llm: Any) -> None:
+    """Give KMeshConnector's worker half vLLM's loaded model (for recovery) in an offline
+    `vllm.LLM`; an AsyncLLM awaits `engine.collective_rpc(ATTACH)` instead."""
+    llm.collective_rpc(ATTACH)

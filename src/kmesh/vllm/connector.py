@@ -24,6 +24,7 @@ from vllm.platforms import current_platform
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
+from kmesh.vllm.recovery import WorkerRecovery
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -62,6 +63,10 @@ class KMeshConnector(KVConnectorBase_V1):
         self._worker_side.load(self._metadata)
         self._worker_side.recover(self._metadata, forward_context.no_compile_layers)
 
+    def attach_recovery(self, recovery: WorkerRecovery) -> None:
+        """Called by the worker extension (kmesh_attach) with an executor on vLLM's model."""
+        self._worker_side.attach_recovery(recovery)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv
 
@@ -77,7 +82,7 @@ class KMeshConnector(KVConnectorBase_V1):
         return self._worker_side.take_load_errors()
 
     def build_connector_worker_meta(self) -> KMeshWorkerMetadata | None:
-        return self._worker_side.take_saved()
+        return self._worker_side.take_worker_meta()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -109,8 +114,11 @@ class KMeshConnector(KVConnectorBase_V1):
         if connector_output.invalid_block_ids:
             side.load_failed(connector_output.invalid_block_ids)
         worker_meta = connector_output.kv_connector_worker_meta
+        reports = {}
         if isinstance(worker_meta, KMeshWorkerMetadata):
             side.update_connector_output(worker_meta.saved)
+            reports = worker_meta.recovered
+        side.recovery_reports(reports)
 
     def request_finished(
         self, request: "Request", block_ids: list[int]

@@ -1,9 +1,10 @@
 """What the connector's two halves tell each other each step.
 
 Scheduler -> worker (KMeshConnectorMetadata): the blocks to fill from the store before the
-forward pass, and the blocks to copy into segments the store reserved after it. Worker ->
-scheduler (KMeshWorkerMetadata): the checksum of each copied block (to commit it) or None (to
-abandon it). The store protocol (claims, commits, pins) stays on the scheduler side; the worker
+forward pass, the requests whose claimed rows recovery fills, and the blocks to copy into segments
+the store reserved after it. Worker -> scheduler (KMeshWorkerMetadata): the checksum of each copied
+block (to commit it) or None (to abandon it), and each recovered request's report. The store
+protocol (claims, commits, pins) stays on the scheduler side; the worker
 only moves bytes between shared memory and vLLM's KV cache.
 """
 
@@ -14,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import Hit
 
 # (tenant salt, key): entries are filed per tenant in the store.
@@ -36,13 +38,39 @@ class SaveBlock:
 
 
 @dataclass(frozen=True, slots=True)
-class RecoverTokens:
-    """Fill the request's tokens [start, len(token_ids)) by recovery (policy full: KMesh's
-    executor computes token_ids[0:] and the claimed rows are written)."""
+class SegmentSpan:
+    start: int  # [start, end) in the prompt's token ids
+    end: int
+    role: str  # shared | private | instruction
+    segment_id: str | None
 
-    token_ids: list[int]
+
+@dataclass(frozen=True, slots=True)
+class RecoverTokens:
+    """Fill the request's rows [start, end) by recovery (kmesh/vllm/recovery.py); vLLM
+    computes the rest of the prompt after them."""
+
+    request_id: str
+    token_ids: list[int]  # the whole prompt
     block_ids: list[int]
-    start: int
+    start: int  # vLLM's local prefix hit: rows [0, start) are exact KV already in the pages
+    end: int
+    tenant: str | None  # cache_salt: the namespace of the stored segment KV
+    spans: list[SegmentSpan]  # the prompt's segments (empty without segments)
+    spec: RecoverySpec
+    family: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    """What recovering one request cost and how far it was from exact."""
+
+    computed_tokens: float  # token-layers / layers, by KMesh's executor for this request
+    shared_computed_tokens: float  # a round's master, paid by the sibling that built it
+    master_bytes: int  # the size of that master (kept by the worker), else 0
+    reused_tokens: int  # claimed tokens whose KV came from stored segment KV (re-rotated)
+    deviation: float | None  # mean relative key deviation at the check layer, if computed
+    fell_back: bool  # the gate sent the claimed tokens back to vLLM's prefill
 
 
 @dataclass
@@ -55,7 +83,10 @@ class KMeshConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     saved: dict[TenantKey, int | None] = field(default_factory=dict)
+    recovered: dict[str, RecoveryReport] = field(default_factory=dict)  # by request id
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KMeshWorkerMetadata)
-        return KMeshWorkerMetadata({**self.saved, **other.saved})
+        return KMeshWorkerMetadata(
+            {**self.saved, **other.saved}, {**self.recovered, **other.recovered}
+        )

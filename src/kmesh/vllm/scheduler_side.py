@@ -11,8 +11,12 @@ name and path, cache_salt, parent key, block tokens):
   segment, the worker copies the block into it, and the scheduler commits it with its checksum.
 Every store failure falls back to vLLM computing the tokens itself.
 
-A request asking for recovery (`"recovery": {"policy": "full"}`) skips the store: its full blocks
-after the local hit are claimed and filled by the worker half with KMesh's executor.
+A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec)
+skips the store: its full blocks after the local hit are claimed and filled by the worker half
+(kmesh/vllm/recovery.py), which reports what it computed; blocks it could not fill (the quality
+gate, no model attached) come back as load errors and vLLM computes them. Recovery is refused
+(vLLM computes the prompt as usual) for LoRA requests, and an approximate one without a cache_salt
+starting with APPROX_SALT_PREFIX, so approximate KV never enters another request's prefix hits.
 
 Families (see kmesh.state.request_meta): the trunk's blocks (the leading shared segments, or the
 whole prompt without segments) are pinned in the store for the family while it is open here.
@@ -21,7 +25,7 @@ whole prompt without segments) are pinned in the store for the family while it i
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +33,13 @@ from kmesh.compute.loader import fingerprint_files
 from kmesh.errors import KMeshError
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_block_keys
 from kmesh.state.request_meta import (
+    APPROX_SALT_PREFIX,
     KMESH_PARAMS_KEY,
     KMeshParams,
+    RecoverySpec,
     encode_segments,
     parse_kmesh_params,
+    segment_spans,
 )
 from kmesh.store import (
     Hit,
@@ -48,7 +55,9 @@ from kmesh.vllm.metadata import (
     KMeshConnectorMetadata,
     LoadBlock,
     RecoverTokens,
+    RecoveryReport,
     SaveBlock,
+    SegmentSpan,
     TenantKey,
 )
 
@@ -74,6 +83,8 @@ class _Tracked:
     loaded_tokens: int = 0
     loaded_block_ids: set[int] = field(default_factory=set)
     recovered_tokens: int = 0  # filled by recovery (kmesh.recovery) instead of vLLM
+    recovered_block_ids: set[int] = field(default_factory=set)
+    recovery: dict[str, Any] | None = None  # the worker's report, or why recovery was refused
     lead: dict[int, bytes] = field(default_factory=dict)  # block index -> key this request leads
     waiting_since: float | None = None
     load_pinned: bool = False  # store hits pinned for it (see _load_pin)
@@ -98,6 +109,8 @@ class SchedulerSide:
         self._reserved: dict[TenantKey, str | None] = {}
         self._loads: list[LoadBlock] = []
         self._recoveries: list[RecoverTokens] = []
+        # Stats of requests finished this step whose recovery report has not come yet.
+        self._finishing: dict[str, dict[str, Any]] = {}
         self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
         self._families: dict[str, int] = defaultdict(int)  # finished requests per open family
         self._family_tenants: dict[str, set[str | None]] = defaultdict(set)
@@ -118,7 +131,11 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         loadable = (request.num_prompt_tokens - 1) // self.block_size
         if tracked.params is not None and tracked.params.recovery is not None:
-            return max(0, loadable - first) * self.block_size, False
+            refusal = self._recovery_refusal(request, tracked.params.recovery)
+            if refusal is None:
+                return max(0, loadable - first) * self.block_size, False
+            tracked.recovery = {"refused": refusal}
+            return 0, False
         if not self.available:
             return 0, False
         keys = [bytes(k) for k in tracked.keys[first:]]
@@ -156,11 +173,27 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
-        if tracked.params is not None and tracked.params.recovery is not None:
-            end = tracked.local_tokens + num_external_tokens
-            tokens = list(request.prompt_token_ids[:end])
-            self._recoveries.append(RecoverTokens(tokens, list(block_ids), tracked.local_tokens))
+        params = tracked.params
+        if params is not None and params.recovery is not None:
+            start = tracked.local_tokens
+            end = start + num_external_tokens
+            self._recoveries.append(
+                RecoverTokens(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    list(block_ids),
+                    start,
+                    end,
+                    tracked.tenant,
+                    self._spans(request, params),
+                    params.recovery,
+                    params.family,
+                )
+            )
             tracked.recovered_tokens = num_external_tokens
+            tracked.recovered_block_ids = set(
+                block_ids[start // self.block_size : end // self.block_size]
+            )
             return
         first = tracked.local_tokens // self.block_size
         count = num_external_tokens // self.block_size
@@ -203,6 +236,19 @@ class SchedulerSide:
             except StoreError as error:
                 self._failed(error)
 
+    def recovery_reports(self, reports: dict[str, RecoveryReport]) -> None:
+        """The worker's reports of this step. vLLM hands them over after it finished this
+        step's requests (vllm/v1/core/sched/scheduler.py::update_from_output calls
+        request_finished before update_connector_output), so a request that finished in the same
+        step gets its report in the stats dict it already returned, before vLLM sends it out."""
+        for request_id, report in reports.items():
+            tracked = self._requests.get(request_id)
+            if tracked is not None:
+                tracked.recovery = asdict(report)
+            elif request_id in self._finishing:
+                self._finishing[request_id]["recovery"] = asdict(report)
+        self._finishing.clear()
+
     def request_finished(self, request: Any) -> dict[str, Any]:
         """Release what the request led and did not publish; its stats for the caller."""
         tracked = self._requests.pop(request.request_id, None)
@@ -238,6 +284,10 @@ class SchedulerSide:
             - tracked.recovered_tokens,
             "family": None if tracked.params is None else tracked.params.family,
         }
+        if tracked.recovery is not None:
+            stats["recovery"] = tracked.recovery
+        elif tracked.recovered_tokens:
+            self._finishing[request.request_id] = stats  # its report comes in this same step
         return stats
 
     def load_failed(self, block_ids: set[int]) -> None:
@@ -246,6 +296,9 @@ class SchedulerSide:
             lost = len(tracked.loaded_block_ids & block_ids)
             tracked.loaded_block_ids -= block_ids
             tracked.loaded_tokens -= lost * self.block_size
+            if tracked.recovered_block_ids & block_ids:  # given back whole: vLLM computes all
+                tracked.recovered_block_ids = set()
+                tracked.recovered_tokens = 0
 
     def close(self) -> None:
         self._client.close()
@@ -269,6 +322,35 @@ class SchedulerSide:
         tracked = _Tracked(request.cache_salt, params, keys, trunk)
         self._requests[request.request_id] = tracked
         return tracked
+
+    def _recovery_refusal(self, request: Any, spec: RecoverySpec) -> str | None:
+        """Why recovery is not done for this request (vLLM then computes it), or None."""
+        if request.lora_request is not None:
+            return "recovery serves base-model requests only (this one has a LoRA adapter)"
+        salt = request.cache_salt or ""
+        if spec.approximate and not salt.startswith(APPROX_SALT_PREFIX):
+            return (
+                f"approximate recovery needs a cache_salt starting with {APPROX_SALT_PREFIX!r} "
+                "(so its blocks stay out of exact requests' prefix hits); computed exactly instead"
+            )
+        return None
+
+    def _spans(self, request: Any, params: KMeshParams) -> list[SegmentSpan]:
+        """The segments' token ranges, if they spell the prompt; else none (all computed)."""
+        if params.segments is None:
+            return []
+        ids, spans = segment_spans(self._tokenizer_of_model(), params)
+        if ids != list(request.prompt_token_ids):
+            log.warning(
+                "kmesh: request %s: its segments do not spell its prompt; recovering it without "
+                "them (every claimed token is computed)",
+                request.request_id,
+            )
+            return []
+        return [
+            SegmentSpan(start, end, segment.role, segment.id)
+            for segment, (start, end) in zip(params.segments, spans, strict=True)
+        ]
 
     def _trunk_blocks(self, params: KMeshParams | None, num_blocks: int) -> int:
         if params is None or params.family is None:

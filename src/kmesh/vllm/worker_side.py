@@ -1,13 +1,12 @@
 """The connector's worker half: copies whole blocks between the store's shared memory and
-vLLM's paged KV cache, and writes the KV of recovered tokens into it. It never claims or
-commits; see metadata.py.
+vLLM's paged KV cache, and fills the rows of recovered tokens (kmesh/vllm/recovery.py). It never
+claims or commits; see metadata.py.
 
-Recovery runs KMesh's layerwise executor in the worker. vLLM hands a connector neither the model
-nor, on CPU, usable weights (vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm
-prepacks every linear layer and leaves its `weight` empty), so the executor loads the same
-model folder itself (a second copy of the weights) and computes in float32. Its rows are written
-with vLLM's own cache-write op (`cpu_attn_reshape_and_cache`, with the attention layer's ISA), so
-the page layout (on CPU, K transposed inside each block) is vLLM's by construction.
+Recovery runs KMesh's layerwise executor on vLLM's own loaded model. vLLM hands a connector no
+model, so it is attached from outside: the worker extension (kmesh/vllm/worker_extension.py,
+vLLM's `worker_extension_cls`) passes the worker's model in when the caller runs
+`collective_rpc("kmesh_attach")` (kmesh.vllm.config.attach does). Until then, or when recovery
+fails, the claimed blocks are reported as load errors and vLLM computes them itself.
 """
 
 import logging
@@ -17,8 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kmesh.compute.executor import Executor, SequenceInput
-from kmesh.compute.loader import load_model
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.client import encode_meta, write_segment
 from kmesh.vllm.layout import BlockLayout
@@ -26,8 +23,11 @@ from kmesh.vllm.metadata import (
     KMeshConnectorMetadata,
     KMeshWorkerMetadata,
     RecoverTokens,
+    RecoveryReport,
     TenantKey,
 )
+from kmesh.vllm.pages import Pages
+from kmesh.vllm.recovery import WorkerRecovery
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ class WorkerSide:
         self.store = store
         self.layout = layout
         self.model = model
-        self._executor: Executor | None = None
+        self.recovery: WorkerRecovery | None = None  # set by attach_recovery
+        self._pages: Pages | None = None
         self.meta = layout.meta
         self.meta_bytes = encode_meta(layout.meta)
         self._layers: list[torch.Tensor] = []
@@ -46,9 +47,11 @@ class WorkerSide:
         )  # without a store never used (it would be unavailable)
         self._load_errors: set[int] = set()
         self._saved: dict[TenantKey, int | None] = {}
+        self._recovered: dict[str, RecoveryReport] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = [kv_caches[name] for name in self.layout.layer_names]
+        self._pages = Pages(self._layers, self.layout.layer_names, self.layout.block_size)
         first = self._layers[0]
         page = first[0]
         page_bytes = page.numel() * page.element_size()
@@ -80,10 +83,42 @@ class WorkerSide:
                 )
                 self._load_errors.add(load.block_id)
 
+    def attach_recovery(self, recovery: WorkerRecovery) -> None:
+        self.recovery = recovery
+
     def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:
-        """Fill the claimed tokens of recovery requests (policy full) before the forward pass."""
-        for job in metadata.recoveries:
-            self._recover(job, attention_layers)
+        """Fill the claimed rows of recovery requests before the forward pass. Whatever cannot
+        be recovered (no model attached, the gate, an error) is reported as load errors: vLLM
+        computes those blocks itself."""
+        jobs = metadata.recoveries
+        if not jobs:
+            return
+        pages = self._pages
+        try:
+            if self.recovery is None or pages is None:
+                raise RuntimeError(
+                    "no model attached for recovery: run collective_rpc('kmesh_attach') "
+                    "(kmesh.vllm.config.attach) after starting the engine"
+                )
+            if self.layout.platform != "cpu" or self.layout.dtype != torch.float32:
+                raise RuntimeError(
+                    "recovery inside vLLM runs on CPU with a float32 KV cache only so far; "
+                    f"this engine is {self.layout.platform} / {self.layout.dtype}"
+                )
+            outcomes = self.recovery.run(jobs, pages)
+        except Exception as error:  # recovery must never take the engine down: vLLM computes
+            log.warning("kmesh: recovery failed, vLLM computes the claimed tokens: %s", error)
+            for job in jobs:
+                self._give_back(job)
+            return
+        for job in jobs:
+            outcome = outcomes[job.request_id]
+            self._recovered[job.request_id] = outcome.report
+            if outcome.k is None or outcome.v is None:
+                self._give_back(job)
+                continue
+            positions = torch.arange(job.start, job.end)
+            pages.write(job.block_ids, positions, outcome.k, outcome.v, attention_layers)
 
     def save(self, metadata: KMeshConnectorMetadata) -> None:
         """Copy the blocks computed this step into the segments the store reserved for them."""
@@ -104,50 +139,21 @@ class WorkerSide:
                 crc = None
             self._saved[(save.tenant, save.key)] = crc
 
-    def _recover(self, job: RecoverTokens, attention_layers: dict[str, Any]) -> None:
-        from vllm import _custom_ops as ops
-
-        if self.layout.platform != "cpu" or self.layout.dtype != torch.float32:
-            raise ValueError(
-                "KMesh recovery inside vLLM runs on CPU with a float32 KV cache only so far; "
-                f"this engine is {self.layout.platform} / {self.layout.dtype}"
-            )
-        executor = self._executor_of_model()
-        n = len(job.token_ids)
-        with torch.inference_mode():
-            out = executor.forward([SequenceInput(torch.tensor(job.token_ids), torch.arange(n))])[0]
+    def _give_back(self, job: RecoverTokens) -> None:
+        """Report a job's claimed blocks as not loaded: vLLM's prefill computes them."""
         block = self.layout.block_size
-        positions = torch.arange(job.start, n)
-        table = torch.tensor(job.block_ids)
-        slots = table[positions // block] * block + positions % block
-        for index, (name, layer) in enumerate(
-            zip(self.layout.layer_names, self._layers, strict=True)
-        ):
-            pages = layer.view(layer.shape[0], layer.shape[1], 2 * block, -1)
-            key_cache, value_cache = pages.chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(
-                out.k[index][job.start :].contiguous(),
-                out.v[index][job.start :].contiguous(),
-                key_cache,
-                value_cache,
-                slots,
-                attention_layers[name].isa,
-            )
-
-    def _executor_of_model(self) -> Executor:
-        if self._executor is None:
-            self._executor = load_model(self.model).executor
-        return self._executor
+        self._load_errors.update(job.block_ids[job.start // block : -(-job.end // block)])
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_saved(self) -> KMeshWorkerMetadata | None:
-        if not self._saved:
+    def take_worker_meta(self) -> KMeshWorkerMetadata | None:
+        if not self._saved and not self._recovered:
             return None
-        saved, self._saved = self._saved, {}
-        return KMeshWorkerMetadata(saved)
+        meta = KMeshWorkerMetadata(self._saved, self._recovered)
+        self._saved, self._recovered = {}, {}
+        return meta
 
     def close(self) -> None:
         self._client.close()

@@ -1,0 +1,242 @@
+"""`kmesh bench allgather --engine vllm`: the All-Gather trace through vLLM with KMeshConnector.
+
+The same trace and the same JSON as the reference-engine bench (bench/allgather.py), four ways,
+in one vLLM engine (prefix caching on) whose requests are kept apart by cache_salt:
+- full: vanilla vLLM's own full prefill, every prompt under a salt of its own (no prefix hit);
+  the reference for quality.
+- prefix: vanilla vLLM, prefix caching (no kmesh recovery): each agent's earlier prompts give
+  its transcript's full blocks; exact.
+- per_request: KMeshConnector recovers each prompt's blocks after vLLM's local hit
+  (kmesh/vllm/recovery.py): stored segment KV re-rotated, `recompute_ratio` recomputed by the
+  policy. A segment's KV is stored by the first request that computes it in full (its context),
+  so each round's first reader pays for every output.
+- collective: the rounds are declared (family + round id + the round's output segments): each
+  round's outputs are recovered once, after the family's common context (`shared_ratio`, 1.0:
+  computed in full), kept as the master, and placed in each agent's prompt; `agent_ratio`
+  recomputed per agent.
+Round 0 holds no outputs: every strategy sends it without recovery.
+
+Accounting: computed_tokens = the tokens vLLM computed plus KMesh's executor's token-layers /
+layers (the per-request recovery and the round's master); prefill_seconds = wall time of each
+round's requests submitted together with max_tokens=1 (vLLM's prefill, with recovery inside).
+Quality (rounds >= 1): the first generated position's full distribution (logprobs over the whole
+vocabulary) and 32 greedy tokens, each from a second and third request with the same prompt, salt
+and kmesh object (they hit the blocks the timed request left, and vLLM computes the partial last
+block again against them, as the timed request did). kv_bytes_per_agent: vLLM keeps every agent's
+pages dense (no block is shared across positions: keys carry RoPE), so all strategies hold the
+round outputs' pages; collective adds its masters (kept by the worker) divided by the agents.
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kmesh.bench.allgather import (
+    STRATEGIES,
+    AllGatherBenchConfig,
+    StrategyRun,
+    strategies_report,
+    summary_of,
+)
+from kmesh.state.segments import Segment
+from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, output_segment_id
+
+FAMILY = "allgather"
+
+
+class VllmAllGatherBench:
+    def __init__(
+        self,
+        llm: Any,
+        turns: Sequence[AgentTurn],
+        workload: AllGatherConfig,
+        cfg: AllGatherBenchConfig,
+        vocab_size: int,
+        kv_bytes_per_token: int,
+        progress: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        self.llm = llm
+        self.workload = workload
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.progress = progress
+        self.rounds: list[list[AgentTurn]] = []
+        for turn in sorted(turns, key=lambda t: (t.round, t.agent)):
+            while len(self.rounds) <= turn.round:
+                self.rounds.append([])
+            self.rounds[turn.round].append(turn)
+
+    def report(self, fingerprint: str) -> dict[str, Any]:
+        runs = {name: self.run(name) for name in STRATEGIES}
+        summaries = {name: summary_of(run, runs["full"]) for name, run in runs.items()}
+        cfg = self.cfg
+        config = {
+            "engine": "vllm",
+            "agents": max(len(r) for r in self.rounds),
+            "rounds": len(self.rounds),
+            "policy": cfg.policy,
+            "recompute_ratio": cfg.recompute_ratio,
+            "shared_ratio": cfg.shared_ratio,
+            "agent_ratio": cfg.agent_ratio,
+            "check_layer": cfg.check_layer,
+            "gate": cfg.gate,
+            "block_size": None,  # vLLM's pages (128 on CPU); masters use kmesh/vllm/recovery.py's
+            "greedy_tokens": cfg.greedy_tokens,
+            "model": fingerprint,
+            "prompt_tokens": sum(len(t.prompt.token_ids) for r in self.rounds for t in r),
+            "order": self.workload.order,
+            "seed": self.workload.seed,
+            "output_tokens": self.workload.output_tokens,
+        }
+        return strategies_report(summaries, config)
+
+    def run(self, name: str) -> StrategyRun:
+        from vllm import SamplingParams
+
+        self.progress(name)
+        run = StrategyRun(name)
+        masters = 0
+        for r, turns in enumerate(self.rounds):
+            requests = [self._request(name, r, t) for t in turns]
+            started = time.perf_counter()
+            outs = self._generate(requests, SamplingParams(temperature=0, max_tokens=1))
+            run.add(r, seconds=time.perf_counter() - started)
+            for out in outs:
+                stats = out.kv_transfer_params["kmesh"]
+                recovery = stats.get("recovery") or {}
+                run.add(
+                    r,
+                    computed=stats["computed_tokens"]
+                    + recovery.get("computed_tokens", 0.0)
+                    + recovery.get("shared_computed_tokens", 0.0),
+                )
+                run.fallbacks += int(recovery.get("fell_back", False))
+                if recovery.get("deviation") is not None:
+                    run.deviations.append(recovery["deviation"])
+                masters += recovery.get("master_bytes", 0)
+            if r == 0:
+                continue
+            run.kv_bytes_per_agent += self._output_bytes(r)
+            self._measure(run, r, requests)
+        if name == "collective":
+            agents = max(len(turns) for turns in self.rounds)
+            run.kv_bytes_per_agent += masters / agents
+            run.extra = {
+                "kv_bytes_master": masters,
+                "kv_bytes_mirror_per_agent": run.kv_bytes_per_agent - masters / agents,
+            }
+        return run
+
+    def _measure(self, run: StrategyRun, r: int, requests: list[tuple[dict, dict | None]]) -> None:
+        """The first position's distribution and the greedy continuation of round r's prompts."""
+        from vllm import SamplingParams
+
+        first = SamplingParams(
+            temperature=0, max_tokens=1, logprobs=-1, flat_logprobs=True, detokenize=False
+        )
+        for a, out in enumerate(self._generate(requests, first)):
+            logprobs = out.outputs[0].logprobs
+            lo, hi = logprobs.start_indices[0], logprobs.end_indices[0]
+            row = torch.full((self.vocab_size,), float("-inf"))
+            ids = torch.tensor(logprobs.token_ids[lo:hi])
+            keep = ids < self.vocab_size
+            row[ids[keep]] = torch.tensor(logprobs.logprobs[lo:hi])[keep]
+            run.logits[(r, a)] = row
+        greedy = SamplingParams(temperature=0, max_tokens=self.cfg.greedy_tokens, ignore_eos=True)
+        for a, out in enumerate(self._generate(requests, greedy)):
+            run.greedy[(r, a)] = list(out.outputs[0].token_ids)
+
+    def _generate(self, requests: list[tuple[dict, dict | None]], params: Any) -> list[Any]:
+        per_request = []
+        for _, kmesh in requests:
+            p = params.clone()
+            if kmesh is not None:
+                p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
+            per_request.append(p)
+        return list(self.llm.generate([p for p, _ in requests], per_request, use_tqdm=False))
+
+    def _request(self, name: str, r: int, turn: AgentTurn) -> tuple[dict, dict | None]:
+        """The prompt (token ids, cache salt) and the kmesh object of one agent turn."""
+        prompt: dict[str, Any] = {"prompt_token_ids": list(turn.prompt.token_ids)}
+        if name == "full":
+            prompt["cache_salt"] = f"full:{r}:{turn.agent}"
+            return prompt, None
+        if name == "prefix" or r == 0:
+            if name != "prefix":
+                prompt["cache_salt"] = f"kmesh-approx:{name}"
+            return prompt, None
+        prompt["cache_salt"] = f"kmesh-approx:{name}"
+        cfg = self.cfg
+        segments = [_segment_spec(s) for s in turn.prompt.segments]
+        recovery: dict[str, Any] = {
+            "policy": cfg.policy,
+            "gate": cfg.gate,
+            "check_layer": cfg.check_layer,
+        }
+        if name == "per_request":
+            return prompt, {
+                "segments": segments,
+                "recovery": {**recovery, "ratio": cfg.recompute_ratio},
+            }
+        outputs = self._outputs(r - 1)
+        round_ = {"id": f"r{r}", "segments": outputs, "shared_ratio": cfg.shared_ratio}
+        return prompt, {
+            "family": FAMILY,
+            "segments": segments,
+            "recovery": {**recovery, "ratio": cfg.agent_ratio, "round": round_},
+        }
+
+    def _outputs(self, r: int) -> list[str]:
+        """Round r's output segment ids, in agent order (the master's canonical order)."""
+        return [output_segment_id(r, a) for a in range(self.workload.agents)]
+
+    def _output_bytes(self, r: int) -> int:
+        """Round r - 1's outputs, as round r's prompts hold them, in every agent's pages."""
+        outputs = set(self._outputs(r - 1))
+        segments = self.rounds[r][0].prompt.segments
+        tokens = sum(len(s.token_ids) for s in segments if s.segment_id in outputs)
+        return tokens * self.kv_bytes_per_token
+
+
+def _segment_spec(segment: Segment) -> dict[str, Any]:
+    spec: dict[str, Any] = {"token_ids": list(segment.token_ids), "role": segment.role.value}
+    if segment.segment_id is not None:
+        spec["id"] = segment.segment_id
+    return spec
+
+
+def run_vllm_allgather_bench(
+    turns: Sequence[AgentTurn],
+    cfg: AllGatherBenchConfig,
+    workload: AllGatherConfig,
+    model: str | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Start vLLM with KMeshConnector on the model folder, attach it, run the four strategies."""
+    import json
+    from pathlib import Path
+
+    from vllm import LLM
+
+    from kmesh.compute.loader import resolve_model_dir
+    from kmesh.vllm.config import attach, vllm_engine_kwargs
+    from kmesh.vllm.scheduler_side import model_fingerprint
+
+    path = resolve_model_dir(model)
+    hf = json.loads((Path(path) / "config.json").read_text())
+    heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
+    head_dim = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    kv_bytes_per_token = 2 * hf["num_hidden_layers"] * heads * head_dim * 4  # float32
+    progress("starting vLLM with KMeshConnector")
+    llm = LLM(**vllm_engine_kwargs(path, max_model_len=4096, max_logprobs=-1))
+    try:
+        attach(llm)
+        bench = VllmAllGatherBench(
+            llm, turns, workload, cfg, hf["vocab_size"], kv_bytes_per_token, progress
+        )
+        return bench.report(model_fingerprint(str(path)))
+    finally:
+        llm.llm_engine.engine_core.shutdown()

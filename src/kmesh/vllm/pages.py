@@ -1,0 +1,69 @@
+"""Rows of vLLM's paged KV cache (CPU layout) as KMesh's dense [layers, n, kv_heads, head_dim].
+
+vLLM's CPU attention keeps one tensor per layer; a block's page is [kv_heads, 2 * block_size,
+head_size], its first half the keys stored transposed ([head_size, block_size] per head), its
+second half the values ([block_size, head_size]). Reading inverts that layout; writing goes through
+vLLM's own op (`cpu_attn_reshape_and_cache`, with the attention layer's ISA), so what is written is
+vLLM's layout by construction.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class Pages:
+    def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str], block_size: int):
+        self.layers = list(layers)
+        self.names = list(names)
+        self.block_size = block_size
+
+    def _split(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache [N, H, B, D] as vLLM's op wants it, value_cache [N, H, B, D])."""
+        pages = layer.view(layer.shape[0], layer.shape[1], 2 * self.block_size, -1)
+        key_cache, value_cache = pages.chunk(2, dim=2)
+        return key_cache, value_cache
+
+    def slots(self, block_ids: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def read(
+        self, block_ids: Sequence[int], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, n, kv_heads, head_dim] of a request's rows at `positions` [n]."""
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        blocks = table[positions // self.block_size]
+        offsets = positions % self.block_size
+        ks, vs = [], []
+        for layer in self.layers:
+            key_cache, value_cache = self._split(layer)
+            n, heads, block, dim = key_cache.shape
+            keys = key_cache.view(n, heads, dim, block)  # stored transposed
+            ks.append(keys[blocks, :, :, offsets])
+            vs.append(value_cache[blocks, :, offsets, :])
+        return torch.stack(ks), torch.stack(vs)
+
+    def write(
+        self,
+        block_ids: Sequence[int],
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_layers: dict[str, Any],
+    ) -> None:
+        """Write K and V [layers, n, kv_heads, head_dim] into a request's rows at `positions`."""
+        from vllm import _custom_ops as ops
+
+        slots = self.slots(block_ids, positions)
+        for index, (name, layer) in enumerate(zip(self.names, self.layers, strict=True)):
+            key_cache, value_cache = self._split(layer)
+            ops.cpu_attn_reshape_and_cache(
+                k[index].contiguous(),
+                v[index].contiguous(),
+                key_cache,
+                value_cache,
+                slots,
+                attention_layers[name].isa,
+            )

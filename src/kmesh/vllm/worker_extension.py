@@ -1,0 +1,41 @@
+"""vLLM worker extension: hands the worker's loaded model to KMeshConnector's worker half.
+
+vLLM gives a KV connector its KV cache tensors but never the model. A `worker_extension_cls` is
+mixed into vLLM's worker class (appended to its bases, so it can add methods, not override them:
+vllm/v1/worker/worker_base.py::WorkerWrapperBase.init_worker), and its methods run in the worker
+through `collective_rpc`. `kmesh_attach` builds KMesh's layerwise executor over the worker's model
+modules (kmesh/vllm/model_bridge.py: the same weights, no second copy) and gives it to the
+connector, whose recovery then runs inside the worker.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kmesh.compute.config import ModelConfig
+from kmesh.vllm.model_bridge import executor_of_vllm_model
+from kmesh.vllm.recovery import WorkerRecovery
+from kmesh.vllm.scheduler_side import model_fingerprint
+
+
+class KMeshWorkerExtension:
+    model_runner: Any  # vLLM's worker attribute
+    vllm_config: Any
+
+    def kmesh_attach(self) -> int:
+        """Attach the worker's model to KMeshConnector; returns the layers the executor runs."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            raise RuntimeError("kmesh_attach needs the engine started with KMeshConnector")
+        connector = get_kv_transfer_group()
+        attach = getattr(connector, "attach_recovery", None)
+        if attach is None:
+            raise RuntimeError(
+                f"the engine's KV connector is {type(connector).__name__}, not KMesh's"
+            )
+        path = self.vllm_config.model_config.model
+        config = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+        executor = executor_of_vllm_model(self.model_runner.get_model(), config)
+        attach(WorkerRecovery(executor, model_fingerprint(path)))
+        return config.num_layers
