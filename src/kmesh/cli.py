@@ -276,8 +276,8 @@ def _bench_allgather_vllm(
         )
     console = Console(stderr=True)
     report = run_vllm_allgather_bench(turns, cfg, workload, args.model, progress=console.log)
-    print_table(report, report_console())
     write_json(args.json, report)
+    print_table(report, report_console())
 
 
 def _bench_restore(args: argparse.Namespace) -> None:

@@ -45,6 +45,9 @@ def prompts(tokenizer: Any) -> dict[str, list[int]]:
         "c": "\n\nclass Extra(ArgumentParser):\n    def",
     }
     out = {k: trunk + tokenizer(v)["input_ids"] for k, v in texts.items()}
+    # The trunk's halves swapped: stored segment KV reused at other positions (recovery).
+    half = TRUNK_TOKENS // 2
+    out["swapped"] = trunk[half:] + trunk[:half] + tokenizer(texts["a"])["input_ids"]
     out["short"] = tokenizer("The capital of France is")["input_ids"]
     out["other"] = tokenizer("def fibonacci(n):\n    ")["input_ids"]
     return out
@@ -53,14 +56,19 @@ def prompts(tokenizer: Any) -> dict[str, list[int]]:
 def with_connector(store: str, lora: dict, options: dict) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from kmesh.vllm.config import vllm_engine_kwargs
+    from kmesh.vllm.config import attach, vllm_engine_kwargs
 
     llm = LLM(**vllm_engine_kwargs(store=store, **options))
+    attach(llm)
     named = prompts(llm.get_tokenizer())
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
     def run(
-        name: str, salt: str | None = None, adapter: str | None = None, kmesh: dict | None = None
+        name: str,
+        salt: str | None = None,
+        adapter: str | None = None,
+        kmesh: dict | None = None,
+        reset: bool = True,
     ) -> dict:
         prompt: dict[str, Any] = {"prompt_token_ids": named[name]}
         if salt is not None:
@@ -71,7 +79,8 @@ def with_connector(store: str, lora: dict, options: dict) -> dict[str, Any]:
             params = greedy.clone()
             params.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
         out = llm.generate([prompt], params, lora_request=request, use_tqdm=False)[0]
-        llm.reset_prefix_cache()
+        if reset:
+            llm.reset_prefix_cache()
         return {"ids": list(out.outputs[0].token_ids), **out.kv_transfer_params["kmesh"]}
 
     batch = llm.generate([{"prompt_token_ids": p} for p in named.values()], greedy)
@@ -87,8 +96,43 @@ def with_connector(store: str, lora: dict, options: dict) -> dict[str, Any]:
     result["lora"] = [run("a", adapter="x"), run("a", adapter="y"), run("a", adapter="x")]
     full = {"recovery": {"policy": "full"}}
     result["recovery_full"] = {name: run(name, kmesh=full) for name in ("a", "c", "short")}
+    # Half the trunk from vLLM's prefix cache (read back from its pages), the rest recovered.
+    named["half"] = named["a"][: TRUNK_TOKENS // 2]
+    run("half", reset=False)
+    result["recovery_after_local_hit"] = run("a", kmesh=full)
+    result |= approximate(run, named)
     llm.llm_engine.engine_core.shutdown()
     return result
+
+
+def approximate(run: Any, named: dict[str, list[int]]) -> dict[str, Any]:
+    """Approximate recovery (stored segment KV reused at other positions) and what keeps it apart
+    from exact requests: its salt, and the gate's fallback to vLLM's prefill."""
+    half = TRUNK_TOKENS // 2
+    trunk, question = named["a"][:TRUNK_TOKENS], named["a"][TRUNK_TOKENS:]
+
+    def kmesh(order: list[str], **recovery: Any) -> dict:
+        parts = {"h1": trunk[:half], "h2": trunk[half:]}
+        segments = [{"token_ids": parts[n], "role": "shared", "id": n} for n in order]
+        segments.append({"token_ids": question, "role": "instruction"})
+        return {"segments": segments, "recovery": recovery}
+
+    salt = "kmesh-approx:job"
+    out: dict[str, Any] = {}
+    # The first reader computes both halves and stores them (its own KV: exact).
+    out["first_reader"] = run("a", salt=salt, kmesh=kmesh(["h1", "h2"], policy="none"))
+    # Reused swapped, nothing recomputed: approximate; its blocks stay in vLLM's prefix cache.
+    none = kmesh(["h2", "h1"], policy="none", gate=None)
+    out["approximate"] = run("swapped", salt=salt, kmesh=none, reset=False)
+    out["exact_after"] = run("swapped", reset=False)  # no salt: must not hit those blocks
+    out["other_salt_after"] = run("swapped", salt="kmesh-approx:other", reset=False)
+    out["same_salt_after"] = run("swapped", salt=salt)  # asked for it: served
+    # The gate at 0: any deviation sends the claimed blocks back to vLLM's prefill.
+    gated = kmesh(["h2", "h1"], policy="none", gate=0.0)
+    out["gated"] = run("swapped", salt=salt, kmesh=gated)
+    # Approximate without an approximate salt: refused, computed exactly.
+    out["refused"] = run("swapped", kmesh=none)
+    return out
 
 
 def vanilla(lora: dict, options: dict) -> dict[str, Any]:

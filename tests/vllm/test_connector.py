@@ -74,3 +74,46 @@ def test_recovery_with_policy_full_inside_vllm_gives_vanillas_greedy_outputs(res
         assert got["recovered_tokens"] == claimed
         assert got["computed_tokens"] == got["prompt_tokens"] - claimed
     assert result["recovery_full"]["a"]["recovered_tokens"] == TRUNK_TOKENS
+
+
+def test_recovery_after_a_local_hit_reads_the_exact_prefix_back_from_vllms_pages(result):
+    got = result["recovery_after_local_hit"]
+    half = TRUNK_TOKENS // 2
+    assert (got["reused_tokens"], got["recovered_tokens"]) == (half, half)
+    # Only the claimed tokens are computed by KMesh's executor (on vLLM's own modules).
+    assert got["recovery"]["computed_tokens"] == half
+    assert got["ids"] == result["vanilla"]["a"]
+
+
+def test_the_first_reader_of_a_segment_computes_it_and_matches_vanilla(result):
+    got = result["first_reader"]
+    assert got["recovered_tokens"] == TRUNK_TOKENS and got["recovery"]["reused_tokens"] == 0
+    assert got["ids"] == result["vanilla"]["a"]
+
+
+def test_approximate_state_is_never_served_to_a_request_that_did_not_ask_for_it(result):
+    approximate = result["approximate"]
+    # The stored halves were reused at swapped positions, nothing recomputed.
+    assert approximate["recovered_tokens"] == TRUNK_TOKENS
+    assert approximate["recovery"]["reused_tokens"] == TRUNK_TOKENS
+    assert approximate["recovery"]["computed_tokens"] == 0
+    # Those blocks sit in vLLM's prefix cache under the approximate salt only.
+    for name in ("exact_after", "other_salt_after"):
+        assert result[name]["reused_tokens"] == 0, name
+    assert result["exact_after"]["ids"] == result["vanilla"]["swapped"]
+    same = result["same_salt_after"]
+    assert same["reused_tokens"] == TRUNK_TOKENS and same["ids"] == approximate["ids"]
+
+
+def test_the_gate_falls_back_to_vllms_own_prefill(result):
+    got = result["gated"]
+    assert got["recovery"]["fell_back"] and got["recovery"]["deviation"] > 0
+    assert got["recovered_tokens"] == 0
+    assert got["computed_tokens"] == got["prompt_tokens"]
+    assert got["ids"] == result["vanilla"]["swapped"]
+
+
+def test_approximate_recovery_without_an_approximate_salt_is_computed_exactly(result):
+    got = result["refused"]
+    assert "refused" in got["recovery"] and got["recovered_tokens"] == 0
+    assert got["ids"] == result["vanilla"]["swapped"]

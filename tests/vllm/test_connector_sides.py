@@ -10,7 +10,7 @@ import torch
 from kmesh.store import StoreClient
 from kmesh.store.client import write_segment
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
+from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, RecoveryReport, SaveBlock
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -143,7 +143,7 @@ def test_a_recovery_request_claims_its_full_blocks_after_the_local_hit(store):
     scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 4)
     meta = scheduler.build_connector_meta(NOTHING_SCHEDULED)
     (job,) = meta.recoveries
-    assert (job.token_ids, job.block_ids, job.start) == (PROMPT[:8], [3, 4, 5], BLOCK)
+    assert (job.token_ids, job.block_ids, job.start, job.end) == (PROMPT, [3, 4, 5], BLOCK, 8)
     assert meta.loads == meta.saves == []  # recovery does not use the store
     stats = scheduler.request_finished(req)
     assert (stats["reused_tokens"], stats["recovered_tokens"], stats["computed_tokens"]) == (
@@ -151,6 +151,50 @@ def test_a_recovery_request_claims_its_full_blocks_after_the_local_hit(store):
         4,
         3,
     )
+
+
+APPROXIMATE = {"recovery": {"policy": "kv_deviation", "ratio": 0.3}}
+
+
+@pytest.mark.parametrize(
+    ("salt", "lora", "claimed"),
+    [
+        (None, None, 0),  # approximate state under no salt would reach exact requests
+        ("tenant-1", None, 0),  # ... or under a tenant's ordinary salt
+        ("kmesh-approx:t1", "x", 0),  # executor runs the base model only
+        ("kmesh-approx:t1", None, 2 * BLOCK),
+    ],
+)
+def test_approximate_recovery_is_served_only_under_an_approximate_salt(store, salt, lora, claimed):
+    scheduler = side(store)
+    req = request("a", salt=salt, lora=lora, kmesh=APPROXIMATE)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (claimed, False)
+    stats = scheduler.request_finished(req)
+    assert ("refused" in stats.get("recovery", {})) == (claimed == 0)
+
+
+def test_a_recovery_given_back_by_the_worker_is_computed_by_vllm(store):
+    scheduler = side(store)
+    req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
+    scheduler.build_connector_meta(NOTHING_SCHEDULED)
+    scheduler.load_failed({3, 4})  # the gate (or a failure) gave the claimed blocks back
+    stats = scheduler.request_finished(req)
+    assert (stats["recovered_tokens"], stats["computed_tokens"]) == (0, len(PROMPT))
+
+
+def test_a_report_of_a_request_finished_in_the_same_step_reaches_its_stats(store):
+    scheduler = side(store)
+    req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
+    scheduler.build_connector_meta(NOTHING_SCHEDULED)
+    stats = scheduler.request_finished(req)  # vLLM finishes it before it passes the reports on
+    report = RecoveryReport(5.5, 0.0, 0, 3, 0.02, False)
+    scheduler.recovery_reports({"a": report})
+    assert stats["recovery"]["computed_tokens"] == 5.5
+    assert stats["recovery"]["reused_tokens"] == 3
 
 
 def test_without_a_store_vllm_computes_everything(tmp_path):

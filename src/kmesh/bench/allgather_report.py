@@ -92,11 +92,15 @@ def _strategy_rows(result: dict[str, Any]) -> Rows:
 
 def _collective_line(result: dict[str, Any]) -> str:
     collective = result["strategies"]["collective"]
-    identical = "yes" if collective["restore_bit_identical"] else "NO"
+    identical = collective.get("restore_bit_identical")
+    restore = (
+        "mirrors held densely in vLLM's pages"
+        if identical is None
+        else f"restore bit-identical: {'yes' if identical else 'NO'}"
+    )
     return (
         f"collective KV: master {_kib(collective['kv_bytes_master'])} KiB, mirror "
-        f"{_kib(collective['kv_bytes_mirror_per_agent'])} KiB per agent; restore bit-identical: "
-        f"{identical}"
+        f"{_kib(collective['kv_bytes_mirror_per_agent'])} KiB per agent; {restore}"
     )
 
 

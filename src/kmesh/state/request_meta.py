@@ -7,10 +7,19 @@ a plain vLLM server running KMeshConnector (`kv_transfer_params: {"kmesh": {...}
      "segments": [{"text": "...", "role": "shared", "id": "trunk"},
                   {"text": "...", "role": "private"}]}
 
-The segments' concatenation is the prompt. The leading run of shared segments is the family's
-trunk: its full blocks stay pinned in the store while the family is open. A family closes when a
-request of it carrying `"close": true` finishes, or when `branches` requests of it have finished
-on that engine (each engine counts its own), or when the engine stops.
+The segments' concatenation is the prompt (a segment is text, or token ids the caller made). The
+leading run of shared segments is the family's trunk: its full blocks stay pinned in the store
+while the family is open. A family closes when a request of it carrying `"close": true` finishes,
+or when `branches` requests of it have finished on that engine (each engine counts its own), or
+when the engine stops.
+
+`recovery` asks KMeshConnector to fill the prompt's blocks after vLLM's local prefix hit itself
+(kmesh/vllm/recovery.py), e.g. an All-Gather sibling:
+
+    {"family": "council",
+     "segments": [..., {"token_ids": [...], "role": "shared", "id": "out-0-3"}, ...],
+     "recovery": {"policy": "kv_deviation", "ratio": 0.0, "gate": 0.1,
+                  "round": {"id": "r1", "segments": ["out-0-0", ..., "out-0-7"]}}}
 """
 
 from typing import Any, Literal

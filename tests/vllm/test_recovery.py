@@ -1,0 +1,170 @@
+"""Recovery inside vLLM's worker (kmesh/vllm/recovery.py) on a tiny random model, with the
+request's exact prefix served from stand-in pages: per-request reuse of stored segment KV,
+collective rounds, the gate, tenants."""
+
+import pytest
+import torch
+
+from kmesh.compute.executor import SequenceInput
+from kmesh.compute.tiny import tiny_executor
+from kmesh.recovery.rerotate import rerotate_keys
+from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.vllm.metadata import RecoverTokens, SegmentSpan
+from kmesh.vllm.recovery import WorkerRecovery
+
+SALT = "kmesh-approx:test"
+BLOCK = 4
+SYSTEM = list(range(10, 15))
+A = list(range(20, 28))
+B = list(range(40, 48))
+ASK = [60, 61, 62]
+PRIVATE = {"x": [70, 71, 72], "y": [80, 81, 82, 83, 84]}
+
+
+def prompt(order: str, private: str = "x") -> tuple[list[int], list[SegmentSpan]]:
+    parts = [("system", "shared", SYSTEM), (private, "private", PRIVATE[private])]
+    parts += [(name, "shared", {"a": A, "b": B}[name]) for name in order]
+    parts.append(("ask", "instruction", ASK))
+    ids: list[int] = []
+    spans = []
+    for name, role, tokens in parts:
+        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, name))
+        ids.extend(tokens)
+    return ids, spans
+
+
+def span(spans: list[SegmentSpan], name: str) -> SegmentSpan:
+    return next(s for s in spans if s.segment_id == name)
+
+
+class ExactPages:
+    """Stand-in for vLLM's pages: the exact KV of the request's prompt, by position."""
+
+    def __init__(self, executor, ids: list[int]) -> None:
+        out = executor.forward([SequenceInput(torch.tensor(ids), torch.arange(len(ids)))])[0]
+        self.k, self.v = torch.stack(out.k), torch.stack(out.v)
+        self.reads: list[int] = []
+
+    def read(self, block_ids, positions):
+        self.reads.append(len(positions))
+        return self.k[:, positions], self.v[:, positions]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_executor()
+
+
+def job(ids, spans, spec, start=BLOCK, request_id="r", tenant=SALT, family=None, first_block=0):
+    end = (len(ids) - 1) // BLOCK * BLOCK
+    blocks = list(range(first_block, first_block + -(-len(ids) // BLOCK)))
+    return RecoverTokens(request_id, ids, blocks, start, end, tenant, spans, spec, family)
+
+
+def run(recovery, executor, ids, spans, spec, **kw):
+    work = job(ids, spans, spec, **kw)
+    pages = ExactPages(executor, ids)
+    return recovery.run([work], pages)[work.request_id], pages, work
+
+
+NONE = RecoverySpec(policy="none", gate=None)
+
+
+def test_the_first_reader_computes_its_region_exactly_and_stores_its_shared_segments(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    ids, spans = prompt("ab")
+    outcome, pages, work = run(recovery, executor, ids, spans, NONE)
+    assert outcome.report.reused_tokens == 0
+    assert outcome.report.computed_tokens == work.end - work.start
+    assert pages.reads == [work.start]  # the exact prefix comes from the pages, not recomputed
+    rows = slice(work.start, work.end)
+    torch.testing.assert_close(outcome.k, pages.k[:, rows], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(outcome.v, pages.v[:, rows], atol=1e-5, rtol=1e-4)
+
+
+def test_a_later_reader_reuses_stored_segments_rerotated_to_its_positions(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    first_ids, first_spans = prompt("ab")
+    _, first_pages, _ = run(recovery, executor, first_ids, first_spans, NONE)
+    ids, spans = prompt("ba", private="y")
+    outcome, _, work = run(recovery, executor, ids, spans, NONE, request_id="r2")
+    reused = len(A) + len(B)
+    assert outcome.report.reused_tokens == reused
+    assert outcome.report.computed_tokens == (work.end - work.start) - reused
+    # a's keys: computed at its first position, turned to its new one (the exact RoPE move).
+    a_first, a_now = span(first_spans, "a"), span(spans, "a")
+    moved = rerotate_keys(
+        first_pages.k[:, a_first.start : a_first.end],
+        torch.arange(a_first.start, a_first.end),
+        torch.arange(a_now.start, a_now.end),
+        executor.config,
+    )
+    rows = slice(a_now.start - work.start, a_now.end - work.start)
+    torch.testing.assert_close(outcome.k[:, rows], moved, atol=1e-5, rtol=1e-4)
+
+
+def test_policy_full_recomputes_reused_segments_exactly(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    run(recovery, executor, *prompt("ab"), NONE)
+    ids, spans = prompt("ba", private="y")
+    outcome, pages, work = run(recovery, executor, ids, spans, RecoverySpec(policy="full"))
+    assert outcome.report.reused_tokens == 0
+    torch.testing.assert_close(outcome.k, pages.k[:, work.start : work.end], atol=1e-5, rtol=1e-4)
+
+
+def test_the_gate_leaves_a_deviating_region_to_vllm(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    run(recovery, executor, *prompt("ab"), NONE)
+    ids, spans = prompt("ba", private="y")
+    spec = RecoverySpec(policy="none", gate=0.0)
+    outcome, _, _ = run(recovery, executor, ids, spans, spec, request_id="r2")
+    assert outcome.report.fell_back and outcome.report.deviation > 0
+    assert outcome.k is None and outcome.v is None
+
+
+def test_stored_segments_never_cross_tenants(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    run(recovery, executor, *prompt("ab"), NONE)
+    ids, spans = prompt("ba", private="y")
+    outcome, _, _ = run(recovery, executor, ids, spans, NONE, tenant="kmesh-approx:other")
+    assert outcome.report.reused_tokens == 0
+
+
+def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["a", "b"]))
+    siblings = [prompt("ab"), prompt("ba", private="y")]
+    jobs = [
+        job(ids, spans, spec, request_id=f"s{i}", family="f", first_block=100 * i)
+        for i, (ids, spans) in enumerate(siblings)
+    ]
+
+    class Pages:  # each sibling's own exact prefix, told apart by its block ids
+        def read(self, block_ids, positions):
+            work = next(w for w in jobs if w.block_ids == block_ids)
+            return ExactPages(executor, work.token_ids).read(block_ids, positions)
+
+    outcomes = recovery.run(jobs, Pages())
+    first, second = outcomes["s0"].report, outcomes["s1"].report
+    # The master: the system prompt (the family's common context) then a and b after it.
+    assert first.shared_computed_tokens == len(SYSTEM) + len(A) + len(B)
+    assert first.master_bytes > 0 and second.shared_computed_tokens == second.master_bytes == 0
+    assert first.reused_tokens == second.reused_tokens == len(A) + len(B)
+    # Both siblings hold the master's KV of a, each at its own positions: equal after moving.
+    a0, a1 = span(siblings[0][1], "a"), span(siblings[1][1], "a")
+    k0 = outcomes["s0"].k[:, a0.start - BLOCK : a0.end - BLOCK]
+    k1 = outcomes["s1"].k[:, a1.start - BLOCK : a1.end - BLOCK]
+    moved = rerotate_keys(
+        k0, torch.arange(a0.start, a0.end), torch.arange(a1.start, a1.end), executor.config
+    )
+    torch.testing.assert_close(k1, moved, atol=1e-5, rtol=1e-4)
+    # A sibling arriving in a later step reuses the same master.
+    later = job(*prompt("ab", private="y"), spec, request_id="s2", family="f")
+    report = recovery.run([later], ExactPages(executor, later.token_ids))["s2"].report
+    assert report.shared_computed_tokens == 0 and report.reused_tokens == len(A) + len(B)
