@@ -7,10 +7,17 @@ import numpy as np
 import pytest
 import torch
 
+from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import StoreClient
 from kmesh.store.client import write_segment
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, RecoveryReport, SaveBlock
+from kmesh.vllm.metadata import (
+    KMeshConnectorMetadata,
+    LoadBlock,
+    RecoverTokens,
+    RecoveryReport,
+    SaveBlock,
+)
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -207,7 +214,7 @@ def test_without_a_store_vllm_computes_everything(tmp_path):
 
 def worker(store) -> tuple[WorkerSide, list[torch.Tensor]]:
     layers = [torch.randn(6, *PAGE_SHAPE) for _ in LAYERS]
-    side = WorkerSide(store.socket, LAYOUT, "tiny-model")
+    side = WorkerSide(store.socket, LAYOUT)
     side.register_kv_caches(dict(zip(LAYERS, layers, strict=True)))
     return side, layers
 
@@ -220,7 +227,7 @@ def test_worker_blocks_round_trip_through_the_store_byte_for_byte(store):
         assert client.acquire([key]).lead == (key,)
         segment = client.reserve(key, LAYOUT.block_bytes)
         source.save(KMeshConnectorMetadata(saves=[SaveBlock(None, 2, key, segment)]))
-        saved = source.take_saved()
+        saved = source.take_worker_meta()
         assert saved is not None
         client.commit(key, saved.saved[(None, key)], source.meta_bytes)
         hit = client.acquire([key]).hits[0]
@@ -242,7 +249,7 @@ def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):
 
 
 def test_worker_refuses_a_kv_cache_of_another_dtype_than_the_layout(store):
-    side = WorkerSide(store.socket, LAYOUT, "tiny-model")
+    side = WorkerSide(store.socket, LAYOUT)
     layers = {name: torch.zeros(6, *PAGE_SHAPE, dtype=torch.bfloat16) for name in LAYERS}
     with pytest.raises(ValueError, match="whole pages"):
         side.register_kv_caches(layers)
@@ -260,3 +267,11 @@ def test_hits_stay_pinned_until_the_request_that_loads_them_finishes(store):
         assert client.stats()["pinned"] == 2  # not evictable before the worker loads them
         second.request_finished(other)
         assert client.stats()["pinned"] == 0
+
+
+def test_worker_without_an_attached_model_gives_claimed_blocks_back_to_vllm(store):
+    side, _ = worker(store)
+    spec = RecoverySpec(policy="full")
+    job = RecoverTokens("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
+    side.recover(KMeshConnectorMetadata(recoveries=[job]), attention_layers={})
+    assert side.take_load_errors() == {4}  # block 1 of the request: rows [4, 8)

@@ -15,9 +15,9 @@ prefix and the reused KV of everything not recomputed (the executor's subset pri
 
 The quality gate: with a threshold set, the check layer is computed for every region (also for
 policies that do not need it) and a region whose mean relative deviation exceeds the threshold is
-recomputed in full: the safe fallback (or, with `recompute_on_gate` off, left to the caller). Layer
-0 cannot serve as check layer: its keys depend on the
-token and position only, so re-rotated keys never deviate there.
+recomputed in full: the safe fallback (or, with `recompute_on_gate` off, left to the caller).
+Layer 0 cannot serve as check layer: its keys depend on the token and position only, so
+re-rotated keys never deviate there.
 
 Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
 layers counts 2/30.

@@ -5,10 +5,11 @@ Load it with `kv_transfer_config={"kv_connector": "KMeshConnector", "kv_connecto
 "kv_connector_extra_config": {"store": "/path/to/store.sock"}}` (kmesh.vllm.config builds it),
 or by name alone once kmesh is installed (the `vllm.general_plugins` entry point registers it).
 vLLM makes one instance per role: the scheduler role (scheduler_side.py: keys, store protocol,
-families, stats, recovery claims) and the worker role (worker_side.py: block copies, recovered
-rows). Without a store it only reports per-request stats (and recovers, if asked). Each finished
+families, stats, recovery claims) and the worker role (worker_side.py: block copies; recovered
+rows from recovery.py, on the model the worker extension attaches: worker_extension.py).
+Without a store it only reports per-request stats (and recovers, if asked). Each finished
 request's output carries `kv_transfer_params["kmesh"]` = {prompt_tokens, reused_tokens,
-restored_tokens, recovered_tokens, computed_tokens, family}.
+restored_tokens, recovered_tokens, computed_tokens, family, and `recovery` when asked}.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,7 @@ class KMeshConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(store, layout, vllm_config.model_config.model)
         else:
-            self._worker = WorkerSide(store, layout, vllm_config.model_config.model)
+            self._worker = WorkerSide(store, layout)
 
     # -- worker role ---------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ Scheduler -> worker (KMeshConnectorMetadata): the blocks to fill from the store 
 forward pass, the requests whose claimed rows recovery fills, and the blocks to copy into segments
 the store reserved after it. Worker -> scheduler (KMeshWorkerMetadata): the checksum of each copied
 block (to commit it) or None (to abandon it), and each recovered request's report. The store
-protocol (claims, commits, pins) stays on the scheduler side; the worker
-only moves bytes between shared memory and vLLM's KV cache.
+protocol (claims, commits, pins) stays on the scheduler side; the worker only moves bytes between
+shared memory and vLLM's KV cache, and fills recovered rows.
 """
 
 from dataclasses import dataclass, field

@@ -24,7 +24,6 @@ are reported as load errors and vLLM's ordinary prefill recomputes them (the saf
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -34,7 +33,7 @@ from kmesh.kv.master_mirror import Master, Mirror, restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
-from kmesh.vllm.metadata import RecoverTokens, RecoveryReport
+from kmesh.vllm.metadata import RecoverTokens, RecoveryReport, SegmentSpan
 from kmesh.vllm.pages import Pages
 
 # Contexts under which segment KV is filed in the index.
@@ -315,7 +314,7 @@ class WorkerRecovery:
         return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
 
 
-def _round_spans(job: RecoverTokens) -> list[Any]:
+def _round_spans(job: RecoverTokens) -> list[SegmentSpan]:
     """The round's output segments of `job`, in the round's canonical order."""
     assert job.spec.round is not None
     by_id = {span.segment_id: span for span in job.spans}

@@ -33,10 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, store: str | None, layout: BlockLayout, model: str) -> None:
+    def __init__(self, store: str | None, layout: BlockLayout) -> None:
         self.store = store
         self.layout = layout
-        self.model = model
         self.recovery: WorkerRecovery | None = None  # set by attach_recovery
         self._pages: Pages | None = None
         self.meta = layout.meta
