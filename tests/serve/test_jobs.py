@@ -47,3 +47,35 @@ def test_kmesh_params_and_salt_reach_the_job(small_context):
     assert job.kmesh is not None and (job.kmesh.family, job.kmesh.branches) == ("f", 3)
     assert job.cache_salt == "t"
     assert (job.temperature, job.top_p, job.seed) == (1.0, 1.0, None)
+
+
+def test_a_separated_prompt_becomes_explicit_segments(small_context):
+    roomy = SimpleNamespace(**{**vars(small_context), "max_model_len": 200})
+    kmesh = {"separator": " # # ", "recovery": {"policy": "full"}}
+    job = completion_job(
+        CompletionRequest(prompt="Alpha beta # # Gamma # # Ask", kmesh=kmesh), roomy
+    )
+    assert job.kmesh is not None and job.kmesh.separator is None
+    segments = job.kmesh.segments or []
+    assert [(s.text, s.role) for s in segments] == [
+        ("Alpha beta", "shared"),
+        ("Gamma", "shared"),
+        ("Ask", "instruction"),
+    ]
+    tokenize = small_context.tokenizer
+    parts = [
+        tokenize(t, add_special_tokens=False)["input_ids"] for t in ("Alpha beta", "Gamma", "Ask")
+    ]
+    assert list(job.prompt_ids) == [t for part in parts for t in part]  # no separator tokens
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kmesh", "wrong"),
+    [
+        ("A # #  # # B", {"separator": " # # "}, "empty"),  # two separators in a row
+        ("A # # B", {"separator": " # # ", "segments": [{"text": "A"}]}, "not both"),
+    ],
+)
+def test_a_bad_separated_prompt_is_refused_with_the_reason(small_context, prompt, kmesh, wrong):
+    with pytest.raises(RequestFieldError, match=wrong):
+        completion_job(CompletionRequest(prompt=prompt, kmesh=kmesh), small_context)

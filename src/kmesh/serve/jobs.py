@@ -15,6 +15,7 @@ from kmesh.state.request_meta import (
     KMeshParams,
     encode_segments,
     parse_kmesh_params,
+    with_separated_segments,
 )
 
 DEFAULT_COMPLETION_TOKENS = 16
@@ -34,6 +35,12 @@ def completion_job(request: CompletionRequest, backend: Backend) -> GenerationJo
     _check_options(request, backend)
     kmesh = kmesh_params(request)
     prompt = _single_prompt(request.prompt)
+    if kmesh is not None and kmesh.separator is not None:
+        try:
+            kmesh = with_separated_segments(kmesh, prompt)
+        except InvalidRequestError as error:
+            raise RequestFieldError(str(error), "kmesh.separator") from None
+        prompt = kmesh.prompt_text
     if kmesh is not None and kmesh.segments is not None:
         # NOTE: "" counts as no prompt: the OpenAI client cannot leave `prompt` out.
         if prompt and prompt != kmesh.prompt_text:
@@ -58,11 +65,12 @@ def chat_job(request: ChatCompletionRequest, backend: Backend) -> GenerationJob:
     """The job of a /v1/chat/completions body: the messages in the model's chat template."""
     _check_options(request, backend)
     kmesh = kmesh_params(request)
-    if kmesh is not None and kmesh.segments is not None:
+    if kmesh is not None and (kmesh.segments is not None or kmesh.separator is not None):
+        name = "segments" if kmesh.segments is not None else "separator"
         raise RequestFieldError(
-            "kmesh.segments are not taken on chat completions: send segments to "
-            "/v1/completions; chat requests take messages",
-            "kmesh.segments",
+            f"kmesh.{name} is not taken on chat completions: send it to /v1/completions; chat "
+            "requests take messages",
+            f"kmesh.{name}",
         )
     if (
         request.max_tokens is not None

@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kmesh.errors import InvalidRequestError
+from kmesh.errors import ContractError, InvalidRequestError
+from kmesh.state.separator_codec import split_text
 
 KMESH_PARAMS_KEY = "kmesh"
 # Approximate recovery is served only under a cache_salt starting with this: vLLM's prefix cache
@@ -95,12 +96,17 @@ class KMeshParams(BaseModel):
     branches: int | None = Field(default=None, ge=1)
     close: bool = False
     segments: list[SegmentSpec] | None = Field(default=None, min_length=1)
+    # The separator codec instead of segments: the prompt text is split at this string (CacheBlend
+    # style; every part shared but the last, the instruction). See with_separated_segments.
+    separator: str | None = Field(default=None, min_length=1)
     recovery: RecoverySpec | None = None
 
     @model_validator(mode="after")
     def _check_references(self) -> "KMeshParams":
         if self.family is None and (self.branches is not None or self.close):
             raise ValueError("'branches' and 'close' need a 'family'")
+        if self.separator is not None and self.segments is not None:
+            raise ValueError("give 'segments' or 'separator', not both")
         round_ = None if self.recovery is None else self.recovery.round
         if round_ is not None:
             if self.family is None:
@@ -117,6 +123,23 @@ class KMeshParams(BaseModel):
         if self.segments is None or any(s.text is None for s in self.segments):
             return None
         return "".join(s.text or "" for s in self.segments)
+
+
+def with_separated_segments(params: KMeshParams, prompt: str | None) -> KMeshParams:
+    """`params` with explicit segments split from a separated prompt (the separator codec,
+    kmesh.state.separator_codec: the parts are the segments, the separator belongs to none of
+    them); unchanged without a separator."""
+    if params.separator is None:
+        return params
+    if not prompt:
+        raise InvalidRequestError("kmesh.separator needs the prompt text to split")
+    try:
+        parts = split_text(prompt, params.separator)
+    except ContractError as error:
+        raise InvalidRequestError(f"kmesh.separator: {error}") from None
+    segments = [SegmentSpec(text=part, role="shared") for part in parts[:-1]]
+    segments.append(SegmentSpec(text=parts[-1], role="instruction"))
+    return params.model_copy(update={"segments": segments, "separator": None})
 
 
 def parse_kmesh_params(value: object) -> KMeshParams:

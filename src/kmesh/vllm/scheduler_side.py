@@ -83,6 +83,7 @@ class _Tracked:
     loaded_tokens: int = 0
     loaded_block_ids: set[int] = field(default_factory=set)
     recovered_tokens: int = 0  # filled by recovery (kmesh.recovery) instead of vLLM
+    recovering: bool = False  # its blocks after the local hit are claimed for recovery
     recovered_block_ids: set[int] = field(default_factory=set)
     recovery: dict[str, Any] | None = None  # the worker's report, or why recovery was refused
     lead: dict[int, bytes] = field(default_factory=dict)  # block index -> key this request leads
@@ -133,9 +134,9 @@ class SchedulerSide:
         if tracked.params is not None and tracked.params.recovery is not None:
             refusal = self._recovery_refusal(request, tracked.params.recovery)
             if refusal is None:
+                tracked.recovering = True
                 return max(0, loadable - first) * self.block_size, False
-            tracked.recovery = {"refused": refusal}
-            return 0, False
+            tracked.recovery = {"refused": refusal}  # served as an ordinary (exact) request
         if not self.available:
             return 0, False
         keys = [bytes(k) for k in tracked.keys[first:]]
@@ -174,7 +175,7 @@ class SchedulerSide:
             return
         block_ids = blocks.get_block_ids()[0]
         params = tracked.params
-        if params is not None and params.recovery is not None:
+        if tracked.recovering and params is not None and params.recovery is not None:
             start = tracked.local_tokens
             end = start + num_external_tokens
             self._recoveries.append(
