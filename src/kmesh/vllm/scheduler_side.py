@@ -338,6 +338,12 @@ class SchedulerSide:
 
     def _spans(self, request: Any, params: KMeshParams) -> list[SegmentSpan]:
         """The segments' token ranges, if they spell the prompt; else none (all computed)."""
+        if params.separator is not None:
+            log.warning(
+                "kmesh: request %s: a separated prompt reached vLLM as one text; kmesh serve "
+                "splits it into segments (send segments to a plain vLLM server)",
+                request.request_id,
+            )
         if params.segments is None:
             return []
         ids, spans = segment_spans(self._tokenizer_of_model(), params)
