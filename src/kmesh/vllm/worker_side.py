@@ -36,7 +36,7 @@ class WorkerSide:
     def __init__(self, store: str | None, layout: BlockLayout) -> None:
         self.store = store
         self.layout = layout
-        self.recovery: WorkerRecovery | None = None  # set by attach_recovery
+        self._recovery: WorkerRecovery | None = None  # set by attach_recovery
         self._pages: Pages | None = None
         self.meta = layout.meta
         self.meta_bytes = encode_meta(layout.meta)
@@ -83,7 +83,7 @@ class WorkerSide:
                 self._load_errors.add(load.block_id)
 
     def attach_recovery(self, recovery: WorkerRecovery) -> None:
-        self.recovery = recovery
+        self._recovery = recovery
 
     def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:
         """Fill the claimed rows of recovery requests before the forward pass. Whatever cannot
@@ -94,7 +94,7 @@ class WorkerSide:
             return
         pages = self._pages
         try:
-            if self.recovery is None or pages is None:
+            if self._recovery is None or pages is None:
                 raise RuntimeError(
                     "no model attached for recovery: run collective_rpc('kmesh_attach') "
                     "(kmesh.vllm.config.attach) after starting the engine"
@@ -104,7 +104,7 @@ class WorkerSide:
                     "recovery inside vLLM runs on CPU with a float32 KV cache only so far; "
                     f"this engine is {self.layout.platform} / {self.layout.dtype}"
                 )
-            outcomes = self.recovery.run(jobs, pages)
+            outcomes = self._recovery.run(jobs, pages)
         except Exception as error:  # recovery must never take the engine down: vLLM computes
             log.warning("kmesh: recovery failed, vLLM computes the claimed tokens: %s", error)
             for job in jobs:
