@@ -168,3 +168,29 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model):
     later = job(*prompt("ab", private="y"), spec, request_id="s2", family="f")
     report = recovery.run([later], ExactPages(executor, later.token_ids))["s2"].report
     assert report.shared_computed_tokens == 0 and report.reused_tokens == len(A) + len(B)
+
+
+def test_kept_state_stays_within_its_bound_least_recently_used_dropped_first(model):
+    executor, fingerprint = model
+    config = executor.config
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    recovery = WorkerRecovery(executor, fingerprint, max_bytes=len(A) * per_token)  # one segment
+    run(recovery, executor, *prompt("ab"), NONE)  # stores a, then b (a is dropped)
+    assert recovery.ledger.total <= len(A) * per_token
+    ids, spans = prompt("ba", private="y")
+    outcome, _, _ = run(recovery, executor, ids, spans, NONE, request_id="r2")
+    assert outcome.report.reused_tokens == len(B)  # b only: a is computed again
+
+
+def test_a_dropped_master_is_built_again_by_the_rounds_next_sibling(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint, max_bytes=1)  # keeps only the latest item
+
+    def sibling(round_id: str, request_id: str):
+        spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id=round_id, segments=["a"]))
+        work = job(*prompt("ab"), spec, request_id=request_id, family="f")
+        return recovery.run([work], ExactPages(executor, work.token_ids))[request_id].report
+
+    assert sibling("r1", "s1").shared_computed_tokens > 0
+    assert sibling("r2", "s2").shared_computed_tokens > 0  # drops r1's master
+    assert sibling("r1", "s3").shared_computed_tokens > 0  # built again

@@ -53,6 +53,11 @@ class SegmentIndex(Generic[T]):
             return None
         return entry.value
 
+    def discard(self, token_ids: Sequence[int], context: str) -> bool:
+        """Forget one segment's state; whether it was held."""
+        key = segment_key(self.namespace, tuple(token_ids), context)
+        return self._entries.pop(key, None) is not None
+
     def drop_rounds_before(self, round_index: int) -> int:
         """Forget every segment produced before `round_index`; returns how many were dropped."""
         stale = [key for key, entry in self._entries.items() if entry.round < round_index]

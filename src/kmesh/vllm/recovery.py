@@ -20,10 +20,17 @@ the region [start, end) goes through kmesh.recovery:
 
 The gate: a region whose mean check-layer key deviation exceeds `gate` is not written; its blocks
 are reported as load errors and vLLM's ordinary prefill recomputes them (the safe fallback).
+
+What the worker keeps (stored segments, masters, common contexts) is bounded by `max_bytes`, least
+recently used dropped first: a dropped segment is computed again by its next reader, a dropped
+master rebuilt by the round's next sibling, a dropped common context restarted from the family's
+leading shared segments.
 """
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +47,34 @@ from kmesh.vllm.pages import Pages
 FIRST_READER = "first-reader"
 # Block granularity of a round's master (the store's unit; independent of vLLM's pages).
 MASTER_BLOCK = 16
+# What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
+DEFAULT_RECOVERY_BYTES = 1 << 30
+
+_Key = tuple[str | None, str, str]  # (tenant, family, round id)
+
+
+class _Ledger:
+    """Sizes of what is kept, least recently used first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.total = 0
+        self._sizes: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+
+    def hold(self, key: tuple[Any, ...], nbytes: int) -> list[tuple[Any, ...]]:
+        """Record `key` (most recent) at `nbytes`; the keys to drop to stay within the bound."""
+        self.total += nbytes - self._sizes.pop(key, 0)
+        self._sizes[key] = nbytes
+        dropped = []
+        while self.total > self.max_bytes and len(self._sizes) > 1:
+            old, size = self._sizes.popitem(last=False)
+            self.total -= size
+            dropped.append(old)
+        return dropped
+
+    def touch(self, key: tuple[Any, ...]) -> None:
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
 
 
 @dataclass(slots=True)
@@ -64,18 +99,21 @@ class Outcome:
 class WorkerRecovery:
     """Holds the executor, the stored segment KV and the rounds' masters of one vLLM worker."""
 
-    def __init__(self, executor: Executor, fingerprint: str) -> None:
+    def __init__(
+        self, executor: Executor, fingerprint: str, max_bytes: int = DEFAULT_RECOVERY_BYTES
+    ) -> None:
         self.executor = executor
         self.fingerprint = fingerprint
+        self.ledger = _Ledger(max_bytes)
         self._segments: dict[str | None, SegmentIndex[SegmentKV]] = {}
         self._commons: dict[tuple[str | None, str], _Common] = {}
-        self._masters: dict[tuple[str | None, str, str], Master] = {}
+        self._masters: dict[_Key, Master] = {}
 
     def run(self, jobs: Sequence[RecoverTokens], pages: Pages) -> dict[str, Outcome]:
         """Recover one step's jobs: per-request ones in order (each may store segments the next
         reuses), each round's siblings together."""
         outcomes: dict[str, Outcome] = {}
-        rounds: dict[tuple[str | None, str, str], list[RecoverTokens]] = {}
+        rounds: dict[_Key, list[RecoverTokens]] = {}
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
@@ -102,8 +140,10 @@ class WorkerRecovery:
         for i, span in enumerate(job.spans):
             if span.role != "shared" or span.end <= job.start or span.start >= job.end:
                 continue
-            stored = index.get(job.token_ids[span.start : span.end], FIRST_READER)
+            tokens = job.token_ids[span.start : span.end]
+            stored = index.get(tokens, FIRST_READER)
             if stored is not None:
+                self.ledger.touch(("segment", job.tenant, tuple(tokens)))
                 positions = torch.arange(span.start, span.end)
                 placed[i] = stored.placed(positions, self.executor.config)
         return placed
@@ -122,12 +162,11 @@ class WorkerRecovery:
                 out.k[:, rows], out.v[:, rows], positions, self.executor.config
             )
             index.put(tokens, FIRST_READER, 0, stored)
+            self._hold(("segment", job.tenant, tuple(tokens)), stored.k.nbytes + stored.v.nbytes)
 
     # -- collective ------------------------------------------------------------------------
 
-    def _round(
-        self, key: tuple[str | None, str, str], jobs: list[RecoverTokens], pages: Pages
-    ) -> dict[str, Outcome]:
+    def _round(self, key: _Key, jobs: list[RecoverTokens], pages: Pages) -> dict[str, Outcome]:
         built = key not in self._masters
         master, shared_cost = self._master_of(key, jobs[0])
         regions = [self._region(job, pages, self._mirrored(master, job)) for job in jobs]
@@ -146,6 +185,7 @@ class WorkerRecovery:
         """The round's master (built by its first sibling: the cost is returned once)."""
         master = self._masters.get(key)
         if master is not None:
+            self.ledger.touch(("master", key))
             return master, 0.0
         tenant, family, _ = key
         assert job.spec.round is not None
@@ -201,6 +241,8 @@ class WorkerRecovery:
         common.k = torch.cat((common.k, shared.k), dim=1)
         common.v = torch.cat((common.v, shared.v), dim=1)
         self._masters[key] = master
+        self._hold(("common", tenant, family), common.k.nbytes + common.v.nbytes)
+        self._hold(("master", key), master.nbytes)
         return master, cost + shared.computed_tokens
 
     def _common_of(
@@ -209,6 +251,7 @@ class WorkerRecovery:
         """The family's common context; its leading shared segments are computed on first use."""
         common = self._commons.get((tenant, family))
         if common is not None:
+            self.ledger.touch(("common", tenant, family))
             return common, 0.0
         round_ids = set(job.spec.round.segments) if job.spec.round is not None else set()
         trunk = 0
@@ -301,6 +344,16 @@ class WorkerRecovery:
         return RecoveryConfig(
             spec.policy, spec.ratio, spec.check_layer, spec.gate, recompute_on_gate=False
         )
+
+    def _hold(self, key: tuple[Any, ...], nbytes: int) -> None:
+        """Keep `key`'s state within the ledger's bound, dropping the least recently used."""
+        for dropped in self.ledger.hold(key, nbytes):
+            if dropped[0] == "segment":  # ("segment", tenant, tokens)
+                self._index(dropped[1]).discard(dropped[2], FIRST_READER)
+            elif dropped[0] == "master":  # ("master", (tenant, family, round id))
+                self._masters.pop(dropped[1], None)
+            else:  # ("common", tenant, family)
+                self._commons.pop((dropped[1], dropped[2]), None)
 
     def _index(self, tenant: str | None) -> SegmentIndex[SegmentKV]:
         index = self._segments.get(tenant)

@@ -14,7 +14,7 @@ from typing import Any
 
 from kmesh.compute.config import ModelConfig
 from kmesh.vllm.model_bridge import executor_of_vllm_model
-from kmesh.vllm.recovery import WorkerRecovery
+from kmesh.vllm.recovery import DEFAULT_RECOVERY_BYTES, WorkerRecovery
 from kmesh.vllm.scheduler_side import model_fingerprint
 
 
@@ -37,5 +37,7 @@ class KMeshWorkerExtension:
         path = self.vllm_config.model_config.model
         config = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
         executor = executor_of_vllm_model(self.model_runner.get_model(), config)
-        attach(WorkerRecovery(executor, model_fingerprint(path)))
+        transfer = self.vllm_config.kv_transfer_config
+        limit = int(transfer.get_from_extra_config("recovery_bytes", DEFAULT_RECOVERY_BYTES))
+        attach(WorkerRecovery(executor, model_fingerprint(path), limit))
         return config.num_layers
