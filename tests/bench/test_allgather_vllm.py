@@ -14,6 +14,7 @@ from kmesh.workloads.allgather import load_trace, save_trace
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
+AGENTS = 3
 TRACE = Path(__file__).parents[2] / "docs" / "results" / "allgather-trace-8x3.jsonl"
 
 
@@ -22,7 +23,7 @@ def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("allgather-vllm")
     workload, model, turns = load_trace(TRACE)
     save_trace(
-        out / "trace.jsonl", workload, model, [t for t in turns if t.agent < 3 and t.round < 2]
+        out / "trace.jsonl", workload, model, [t for t in turns if t.agent < AGENTS and t.round < 2]
     )
     command = ["bench", "allgather", "--engine", "vllm", "--trace", str(out / "trace.jsonl")]
     done = subprocess.run(
@@ -38,9 +39,9 @@ def report(tmp_path_factory) -> dict:
 
 def test_the_report_has_the_reference_benchs_shape(report):
     assert set(report["strategies"]) == set(STRATEGIES)
-    assert report["config"]["engine"] == "vllm" and report["config"]["agents"] == 3
+    assert report["config"]["engine"] == "vllm" and report["config"]["agents"] == AGENTS
     for row in report["strategies"].values():
-        assert len(row["per_round"]) == 2 and row["quality"]["samples"] == 3
+        assert len(row["per_round"]) == 2 and row["quality"]["samples"] == AGENTS
 
 
 def test_exact_strategies_match_vllms_full_prefill(report):

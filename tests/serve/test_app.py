@@ -233,7 +233,7 @@ BAD_CHATS = [
     ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "disagree"),
     (
         {"messages": CHAT, "kmesh": {"segments": [{"text": "x"}]}},
-        "send segments to /v1/completions; chat requests take messages",
+        "kmesh.segments is not taken on chat completions: send it to /v1/completions",
     ),
     ({"prompt": "x"}, "messages: Field required"),
 ]
