@@ -231,7 +231,8 @@ def run_vllm_allgather_bench(
     head_dim = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     kv_bytes_per_token = 2 * hf["num_hidden_layers"] * heads * head_dim * 4  # float32
     progress("starting vLLM with KMeshConnector")
-    llm = LLM(**vllm_engine_kwargs(path, max_model_len=4096, max_logprobs=-1))
+    longest = max(len(t.prompt.token_ids) for t in turns) + cfg.greedy_tokens
+    llm = LLM(**vllm_engine_kwargs(path, max_model_len=max(4096, longest), max_logprobs=-1))
     try:
         attach(llm)
         bench = VllmAllGatherBench(
