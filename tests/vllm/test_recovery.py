@@ -21,10 +21,10 @@ ASK = [60, 61, 62]
 PRIVATE = {"x": [70, 71, 72], "y": [80, 81, 82, 83, 84]}
 
 
-def prompt(order: str, private: str = "x") -> tuple[list[int], list[SegmentSpan]]:
+def prompt(order: str, private: str = "x", ask=ASK) -> tuple[list[int], list[SegmentSpan]]:
     parts = [("system", "shared", SYSTEM), (private, "private", PRIVATE[private])]
     parts += [(name, "shared", {"a": A, "b": B}[name]) for name in order]
-    parts.append(("ask", "instruction", ASK))
+    parts.append(("ask", "instruction", ask))
     ids: list[int] = []
     spans = []
     for name, role, tokens in parts:
@@ -103,6 +103,21 @@ def test_a_later_reader_reuses_stored_segments_rerotated_to_its_positions(model)
     )
     rows = slice(a_now.start - work.start, a_now.end - work.start)
     torch.testing.assert_close(outcome.k[:, rows], moved, atol=1e-5, rtol=1e-4)
+
+
+def test_a_segment_crossing_into_vllms_block_is_computed_whole_by_its_first_reader(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    ids, spans = prompt(
+        "ab", private="y", ask=[60]
+    )  # 27 tokens: b is [18, 26), the claim ends at 24
+    outcome, pages, work = run(recovery, executor, ids, spans, NONE)
+    assert work.end == 24 and span(spans, "b").end == 26
+    assert outcome.report.computed_tokens == 26 - work.start  # b's last 2 tokens too
+    assert outcome.k.shape[1] == work.end - work.start  # only the claimed rows are written
+    torch.testing.assert_close(outcome.k, pages.k[:, work.start : work.end], atol=1e-5, rtol=1e-4)
+    later, _, _ = run(recovery, executor, *prompt("ba"), NONE, request_id="r2")
+    assert later.report.reused_tokens == len(A) + len(B)  # b was stored whole
 
 
 def test_policy_full_recomputes_reused_segments_exactly(model):

@@ -9,7 +9,8 @@ the region [start, end) goes through kmesh.recovery:
   and tokens) is re-rotated to its positions and reused; the policy recomputes `ratio` of it
   (kv_deviation, first_k, random; none keeps it as is, full recomputes all). Tokens no stored
   segment covers are computed. A shared segment this request computed in full is stored (its KV
-  in this request's context, keys turned to canonical positions): later readers reuse it.
+  in this request's context, keys turned to canonical positions): later readers reuse it. One that
+  crosses into the block vLLM computes is computed whole here for that (its tail twice).
 - collective (a declared round): the round's output segments are recovered once, after the
   family's common context (its leading shared segments, then every earlier round's master), at
   the round's shared_ratio (1.0: computed in full), and kept as the round's dense master
@@ -127,11 +128,29 @@ class WorkerRecovery:
     # -- per request -----------------------------------------------------------------------
 
     def _per_request(self, job: RecoverTokens, pages: Pages) -> Outcome:
-        region = self._region(job, pages, self._stored_segments(job))
+        end = self._storing_end(job)
+        region = self._region(job, pages, self._stored_segments(job), end)
         recovered = recover(self.executor, [region], self._config(job))[0]
         if not recovered.fell_back:
-            self._store_computed(job, region, recovered)
-        return _outcome(recovered, region, 0.0, 0)
+            self._store_computed(job, region, recovered, end)
+        outcome = _outcome(recovered, region, 0.0, 0)
+        if outcome.k is None or outcome.v is None:
+            return outcome
+        rows = job.end - job.start  # the claimed rows; the rest was computed to be stored
+        return Outcome(outcome.report, outcome.k[:, :rows], outcome.v[:, :rows])
+
+    def _storing_end(self, job: RecoverTokens) -> int:
+        """Where the region ends: the claimed rows, extended to the end of a shared segment that
+        crosses into the block vLLM computes and is stored nowhere yet (so that its first reader
+        can store it whole; those extra tokens are computed twice, once here)."""
+        index = self._index(job.tenant)
+        end = job.end
+        for span in job.spans:
+            crosses = job.start <= span.start < job.end < span.end
+            tokens = job.token_ids[span.start : span.end]
+            if span.role == "shared" and crosses and index.get(tokens, FIRST_READER) is None:
+                end = max(end, span.end)
+        return end
 
     def _stored_segments(self, job: RecoverTokens) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Span index -> (k, v) placed at the span's positions, for stored shared segments."""
@@ -148,10 +167,12 @@ class WorkerRecovery:
                 placed[i] = stored.placed(positions, self.executor.config)
         return placed
 
-    def _store_computed(self, job: RecoverTokens, region: RegionInput, out: Recovered) -> None:
+    def _store_computed(
+        self, job: RecoverTokens, region: RegionInput, out: Recovered, end: int
+    ) -> None:
         index = self._index(job.tenant)
         for span in job.spans:
-            if span.role != "shared" or span.start < job.start or span.end > job.end:
+            if span.role != "shared" or span.start < job.start or span.end > end:
                 continue
             rows = slice(span.start - job.start, span.end - job.start)
             tokens = job.token_ids[span.start : span.end]
@@ -306,16 +327,18 @@ class WorkerRecovery:
         job: RecoverTokens,
         pages: Pages,
         reused: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        end: int | None = None,
     ) -> RegionInput:
-        """The claimed rows as a region: reused rows where `reused` covers them, the exact
-        prefix read back from vLLM's pages."""
-        t = job.end - job.start
+        """The claimed rows (to `end`, by default the claim's) as a region: reused rows where
+        `reused` covers them, the exact prefix read back from vLLM's pages."""
+        end = job.end if end is None else end
+        t = end - job.start
         k = self._blank(t)
         v = self._blank(t)
         reusable = torch.zeros(t, dtype=torch.bool)
         segment = torch.zeros(t, dtype=torch.int64)
         for i, span in enumerate(job.spans):
-            lo, hi = max(span.start, job.start), min(span.end, job.end)
+            lo, hi = max(span.start, job.start), min(span.end, end)
             if lo >= hi:
                 continue
             segment[lo - job.start : hi - job.start] = i
@@ -330,8 +353,8 @@ class WorkerRecovery:
             prefix_k, prefix_v = pages.read(job.block_ids, positions)
             prefix = DenseKV(positions, list(prefix_k), list(prefix_v))
         return RegionInput(
-            torch.tensor(job.token_ids[job.start : job.end]),
-            torch.arange(job.start, job.end),
+            torch.tensor(job.token_ids[job.start : end]),
+            torch.arange(job.start, end),
             prefix,
             k,
             v,
