@@ -180,23 +180,25 @@ def test_approximate_recovery_is_served_only_under_an_approximate_salt(store, sa
     assert ("refused" in stats.get("recovery", {})) == (claimed == 0)
 
 
-def test_a_recovery_given_back_by_the_worker_is_computed_by_vllm(store):
+def claimed_for_recovery(store):
+    """A scheduler side whose approximate request has its 2 full blocks claimed for recovery."""
     scheduler = side(store)
     req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
-    scheduler.get_num_new_matched_tokens(req, 0)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
     scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
     scheduler.build_connector_meta(NOTHING_SCHEDULED)
+    return scheduler, req
+
+
+def test_a_recovery_given_back_by_the_worker_is_computed_by_vllm(store):
+    scheduler, req = claimed_for_recovery(store)
     scheduler.load_failed({3, 4})  # the gate (or a failure) gave the claimed blocks back
     stats = scheduler.request_finished(req)
     assert (stats["recovered_tokens"], stats["computed_tokens"]) == (0, len(PROMPT))
 
 
 def test_a_report_of_a_request_finished_in_the_same_step_reaches_its_stats(store):
-    scheduler = side(store)
-    req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
-    scheduler.get_num_new_matched_tokens(req, 0)
-    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
-    scheduler.build_connector_meta(NOTHING_SCHEDULED)
+    scheduler, req = claimed_for_recovery(store)
     stats = scheduler.request_finished(req)  # vLLM finishes it before it passes the reports on
     report = RecoveryReport(5.5, 0.0, 0, 3, 0.02, False)
     scheduler.recovery_reports({"a": report})

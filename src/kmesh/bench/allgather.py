@@ -49,7 +49,7 @@ from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
 from kmesh.state.segments import Role, Segment
-from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, output_segment_id
+from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, group_rounds, output_segment_id
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 AUTHOR = "author"  # segment-index context of an output's KV computed after its author's prompt
@@ -154,13 +154,9 @@ class AllGatherBench:
         self.fingerprint = fingerprint
         self.cfg = cfg
         self.progress = progress
-        self.rounds: list[list[AgentTurn]] = []
-        for turn in sorted(turns, key=lambda t: (t.round, t.agent)):
-            if turn.round == len(self.rounds):
-                self.rounds.append([])
-            self.rounds[turn.round].append(turn)
+        self.rounds = group_rounds(turns)
         self.agents = len(self.rounds[0])
-        if any(len(r) != self.agents for r in self.rounds):
+        if any(len(r) != self.agents for r in self.rounds):  # (an empty round too)
             raise ValueError("every round of the trace must hold one turn per agent")
         self.index: SegmentIndex[SegmentKV] = SegmentIndex(KeyNamespace(fingerprint))
         model = executor.config

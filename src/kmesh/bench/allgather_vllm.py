@@ -41,7 +41,7 @@ from kmesh.bench.allgather import (
     summary_of,
 )
 from kmesh.state.segments import Segment
-from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, output_segment_id
+from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, group_rounds, output_segment_id
 
 FAMILY = "allgather"
 
@@ -63,11 +63,7 @@ class VllmAllGatherBench:
         self.vocab_size = vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token
         self.progress = progress
-        self.rounds: list[list[AgentTurn]] = []
-        for turn in sorted(turns, key=lambda t: (t.round, t.agent)):
-            while len(self.rounds) <= turn.round:
-                self.rounds.append([])
-            self.rounds[turn.round].append(turn)
+        self.rounds = group_rounds(turns)
 
     def report(self, fingerprint: str) -> dict[str, Any]:
         runs = {name: self.run(name) for name in STRATEGIES}

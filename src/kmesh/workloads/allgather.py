@@ -16,7 +16,7 @@ is deterministic in (model, config) and benchmarks replay exactly the same promp
 
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,16 @@ class AgentTurn:
     prompt: SegmentedPrompt
     output_ids: tuple[int, ...]
     output_text: str
+
+
+def group_rounds(turns: Sequence[AgentTurn]) -> list[list[AgentTurn]]:
+    """The turns by round (index = round), each round's in agent order."""
+    rounds: list[list[AgentTurn]] = []
+    for turn in sorted(turns, key=lambda t: (t.round, t.agent)):
+        while len(rounds) <= turn.round:
+            rounds.append([])
+        rounds[turn.round].append(turn)
+    return rounds
 
 
 def output_segment_id(round_index: int, agent: int) -> str:
