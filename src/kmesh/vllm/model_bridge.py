@@ -36,15 +36,15 @@ class VllmLayer:
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self._qkv(h)[0].split(self._sizes, dim=-1)
-        return q.contiguous(), k.contiguous(), v.contiguous()
+        return q, k, v  # views of the fused output (the executor views them per head)
 
     def o(self, attn: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self._o(attn.contiguous())[0]
+        out: torch.Tensor = self._o(attn)[0]
         return out
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self._gate_up(h)[0].chunk(2, dim=-1)
-        out: torch.Tensor = self._down((torch.nn.functional.silu(gate) * up).contiguous())[0]
+        out: torch.Tensor = self._down(torch.nn.functional.silu(gate) * up)[0]
         return out
 
 
