@@ -37,7 +37,6 @@ from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
     KMeshParams,
     RecoverySpec,
-    encode_segments,
     parse_kmesh_params,
     segment_spans,
 )
@@ -78,6 +77,7 @@ class _Tracked:
     params: KMeshParams | None
     keys: list[BlockHash]  # chained keys of the prompt's full blocks
     trunk_blocks: int  # the family's pinned blocks: keys[:trunk_blocks]
+    spans: list[SegmentSpan]  # its segments' token ranges (empty without segments)
     local_tokens: int = 0  # vLLM's local prefix-cache hit
     hits: list[Hit] = field(default_factory=list)  # loadable store hits after the local hit
     loaded_tokens: int = 0
@@ -186,7 +186,7 @@ class SchedulerSide:
                     start,
                     end,
                     tracked.tenant,
-                    self._spans(request, params),
+                    tracked.spans,
                     params.recovery,
                     params.family,
                 )
@@ -319,8 +319,9 @@ class SchedulerSide:
         )
         keys: list[BlockHash] = []
         extend_block_keys(keys, namespace, request.prompt_token_ids or [], self.block_size)
-        trunk = self._trunk_blocks(params, len(keys))
-        tracked = _Tracked(request.cache_salt, params, keys, trunk)
+        spans = [] if params is None else self._spans(request, params)
+        trunk = self._trunk_blocks(params, spans, len(keys))
+        tracked = _Tracked(request.cache_salt, params, keys, trunk, spans)
         self._requests[request.request_id] = tracked
         return tracked
 
@@ -359,13 +360,19 @@ class SchedulerSide:
             for segment, (start, end) in zip(params.segments, spans, strict=True)
         ]
 
-    def _trunk_blocks(self, params: KMeshParams | None, num_blocks: int) -> int:
+    def _trunk_blocks(
+        self, params: KMeshParams | None, spans: list[SegmentSpan], num_blocks: int
+    ) -> int:
         if params is None or params.family is None:
             return 0
         if params.segments is None:
             return num_blocks
-        _, trunk_tokens = encode_segments(self._tokenizer_of_model(), params)
-        return min(num_blocks, trunk_tokens // self.block_size)
+        trunk = 0
+        for span in spans:  # the leading shared segments
+            if span.role != "shared":
+                break
+            trunk = span.end
+        return min(num_blocks, trunk // self.block_size)
 
     def _tokenizer_of_model(self) -> Any:
         if self._tokenizer is None:
