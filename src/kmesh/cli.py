@@ -189,7 +189,15 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     from kmesh.engine.engine import Engine
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace, load_trace
 
-    options = ("policy", "recompute_ratio", "shared_ratio", "agent_ratio", "check_layer", "gate")
+    options = (
+        "policy",
+        "master",
+        "recompute_ratio",
+        "shared_ratio",
+        "agent_ratio",
+        "check_layer",
+        "gate",
+    )
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.no_gate:
         if "gate" in given:
@@ -275,7 +283,9 @@ def _bench_allgather_vllm(
             "`kmesh workload allgather`"
         )
     console = Console(stderr=True)
-    report = run_vllm_allgather_bench(turns, cfg, workload, args.model, progress=console.log)
+    report = run_vllm_allgather_bench(
+        turns, cfg, workload, args.model, args.block_size, progress=console.log
+    )
     write_json(args.json, report)
     print_table(report, report_console())
 
@@ -440,6 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="recovery policy: none, full, kv_deviation, first_k or random (default kv_deviation)",
     )
     gather.add_argument(
+        "--master",
+        choices=["sibling", "common"],
+        default=None,
+        help="collective: a round's master is its first agent's own exact KV (sibling, default) "
+        "or its outputs recovered after the agents' common context (common)",
+    )
+    gather.add_argument(
         "--recompute-ratio",
         type=float,
         default=None,
@@ -479,6 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["reference", "vllm"],
         default="reference",
         help="reference: KMesh's own engine; vllm: vLLM with KMeshConnector (needs --trace)",
+    )
+    gather.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="--engine vllm: vLLM's page size in tokens (a multiple of 32; default "
+        "kmesh.vllm.config.DEFAULT_BLOCK_SIZE)",
     )
     gather.set_defaults(func=_bench_allgather)
 

@@ -33,7 +33,10 @@ def test_policy_full_reproduces_full_prefill(tiny, turns):
 
 
 def test_reuse_without_recovery_is_visible_and_cheaper(tiny, turns):
-    report = _report(tiny, turns, policy="none", recompute_ratio=0.0, shared_ratio=0.0)
+    # The common master recovered from the authors' KV without recomputation (shared ratio 0).
+    report = _report(
+        tiny, turns, policy="none", master="common", recompute_ratio=0.0, shared_ratio=0.0
+    )
     runs = report["strategies"]
     assert runs["prefix"]["quality"]["kl_mean"] < EXACT_KL
     assert runs["per_request"]["quality"]["kl_mean"] > 1e-3
@@ -44,15 +47,50 @@ def test_reuse_without_recovery_is_visible_and_cheaper(tiny, turns):
     assert runs["collective"]["kv_bytes_per_agent"] < runs["per_request"]["kv_bytes_per_agent"]
 
 
-def test_the_quality_gate_sends_every_reused_region_to_full_recomputation(tiny, turns):
-    report = _report(tiny, turns, policy="none", recompute_ratio=0.0, shared_ratio=0.0, gate=0.0)
+@pytest.mark.parametrize(("master", "fallbacks"), [("sibling", 4), ("common", 6 + 2)])
+def test_the_quality_gate_sends_every_reused_region_to_full_recomputation(
+    tiny, turns, master, fallbacks
+):
+    report = _report(
+        tiny, turns, policy="none", master=master, recompute_ratio=0.0, shared_ratio=0.0, gate=0.0
+    )
     runs = report["strategies"]
-    # Rounds 1 and 2, 3 agents each. Collective's shared step, recovered at a ratio below 1,
-    # is gated too (once per round).
+    # Rounds 1 and 2, 3 agents each. The master sibling is computed exactly (never gated): 2
+    # mirrored agents per round fall back. The common choice's shared step, recovered at a ratio
+    # below 1, is gated too (once per round), and all 3 agents are mirrored.
     assert runs["per_request"]["fallbacks"] == 6
-    assert runs["collective"]["fallbacks"] == 6 + 2
+    assert runs["collective"]["fallbacks"] == fallbacks
     for name in ("per_request", "collective"):
         assert runs[name]["quality"]["kl_mean"] < EXACT_KL, name
+
+
+def test_the_sibling_master_costs_nothing_beyond_the_first_agents_own_prefill(tiny, turns):
+    report = _report(tiny, turns, policy="none", agent_ratio=0.0)
+    collective = report["strategies"]["collective"]
+    for r in (1, 2):
+        agent_0 = next(t for t in turns if t.round == r and t.agent == 0)
+        before = next(t for t in turns if t.round == r - 1 and t.agent == 0)
+        transcript = len(before.prompt.token_ids) - len(before.prompt.segments[-1].token_ids)
+        asks = sum(len(t.prompt.segments[-1].token_ids) for t in turns if t.round == r)
+        own = len(agent_0.prompt.token_ids) - transcript  # the master sibling's whole region
+        expected = own + asks - len(agent_0.prompt.segments[-1].token_ids)
+        assert collective["per_round"][r]["computed_tokens"] == pytest.approx(expected)
+    assert collective["restore_bit_identical"]
+
+
+def test_new_tokens_count_each_unseen_segment_once(tiny, turns):
+    report = _report(tiny, turns, policy="none")
+    new = report["config"]["new_tokens_per_round"]
+    first = {s.token_ids for t in turns if t.round == 0 for s in t.prompt.segments}
+    assert new[0] == sum(len(tokens) for tokens in first)
+    for r in (1, 2):
+        outputs = sum(len(b.output_ids) + 4 for b in turns if b.round == r - 1)  # header + close
+        asks = sum(len(t.prompt.segments[-1].token_ids) for t in turns if t.round == r)
+        assert new[r] == outputs + asks
+    # Without correction the sibling master computes each new output once (in agent 0's
+    # region) and every agent its own instruction: exactly the new tokens.
+    last = report["comparison"]["last_round_computed_over_new"]
+    assert last["collective"] == 1.0 < last["prefix"] < last["full"]
 
 
 def test_accounting_in_token_layers(tiny, turns):

@@ -200,7 +200,7 @@ def test_a_recovery_given_back_by_the_worker_is_computed_by_vllm(store):
 def test_a_report_of_a_request_finished_in_the_same_step_reaches_its_stats(store):
     scheduler, req = claimed_for_recovery(store)
     stats = scheduler.request_finished(req)  # vLLM finishes it before it passes the reports on
-    report = RecoveryReport(5.5, 0.0, 0, 3, 0.02, False)
+    report = RecoveryReport(5.5, 0.0, 0, 0, 3, 0.02, False)
     scheduler.recovery_reports({"a": report})
     assert stats["recovery"]["computed_tokens"] == 5.5
     assert stats["recovery"]["reused_tokens"] == 3

@@ -150,10 +150,12 @@ def test_stored_segments_never_cross_tenants(model):
     assert outcome.report.reused_tokens == 0
 
 
-def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model):
+@pytest.mark.parametrize("master", ["sibling", "common"])
+def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, master):
     executor, fingerprint = model
     recovery = WorkerRecovery(executor, fingerprint)
-    spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["a", "b"]))
+    round_ = RoundSpec(id="r1", segments=["a", "b"], master=master)
+    spec = RecoverySpec(policy="none", gate=None, round=round_)
     siblings = [prompt("ab"), prompt("ba", private="y")]
     jobs = [
         job(ids, spans, spec, request_id=f"s{i}", family="f", first_block=100 * i)
@@ -167,10 +169,18 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model):
 
     outcomes = recovery.run(jobs, Pages())
     first, second = outcomes["s0"].report, outcomes["s1"].report
-    # The master: the system prompt (the family's common context) then a and b after it.
-    assert first.shared_computed_tokens == len(SYSTEM) + len(A) + len(B)
     assert first.master_bytes > 0 and second.shared_computed_tokens == second.master_bytes == 0
-    assert first.reused_tokens == second.reused_tokens == len(A) + len(B)
+    assert second.reused_tokens == len(A) + len(B)
+    if master == "common":  # the system prompt (the common context) then a and b after it
+        assert first.shared_computed_tokens == len(SYSTEM) + len(A) + len(B)
+        assert first.reused_tokens == len(A) + len(B)
+    else:  # the first sibling is computed exactly: its own KV is the master, nothing extra
+        assert first.shared_computed_tokens == 0 and first.reused_tokens == 0
+        assert first.computed_tokens == jobs[0].end - jobs[0].start
+        exact = ExactPages(executor, jobs[0].token_ids)
+        torch.testing.assert_close(
+            outcomes["s0"].k, exact.k[:, jobs[0].start : jobs[0].end], atol=1e-5, rtol=1e-4
+        )
     # Both siblings hold the master's KV of a, each at its own positions: equal after moving.
     a0, a1 = span(siblings[0][1], "a"), span(siblings[1][1], "a")
     k0 = outcomes["s0"].k[:, a0.start - BLOCK : a0.end - BLOCK]
@@ -182,7 +192,19 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model):
     # A sibling arriving in a later step reuses the same master.
     later = job(*prompt("ab", private="y"), spec, request_id="s2", family="f")
     report = recovery.run([later], ExactPages(executor, later.token_ids))["s2"].report
-    assert report.shared_computed_tokens == 0 and report.reused_tokens == len(A) + len(B)
+    assert report.master_bytes == 0 and report.reused_tokens == len(A) + len(B)
+
+
+def test_a_master_sibling_computes_a_round_segment_reaching_into_vllms_block_whole(model):
+    executor, fingerprint = model
+    recovery = WorkerRecovery(executor, fingerprint)
+    spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["a", "b"]))
+    ids, spans = prompt("ab", private="y", ask=[60])  # b ends in the block vLLM computes
+    work = job(ids, spans, spec, family="f")
+    assert work.end < span(spans, "b").end
+    outcome = recovery.run([work], ExactPages(executor, ids))["r"]
+    assert outcome.k is not None and outcome.k.shape[1] == work.end - work.start
+    assert outcome.report.computed_tokens == span(spans, "b").end - work.start
 
 
 def test_kept_state_stays_within_its_bound_least_recently_used_dropped_first(model):
@@ -206,6 +228,6 @@ def test_a_dropped_master_is_built_again_by_the_rounds_next_sibling(model):
         work = job(*prompt("ab"), spec, request_id=request_id, family="f")
         return recovery.run([work], ExactPages(executor, work.token_ids))[request_id].report
 
-    assert sibling("r1", "s1").shared_computed_tokens > 0
-    assert sibling("r2", "s2").shared_computed_tokens > 0  # drops r1's master
-    assert sibling("r1", "s3").shared_computed_tokens > 0  # built again
+    assert sibling("r1", "s1").master_bytes > 0
+    assert sibling("r2", "s2").master_bytes > 0  # drops r1's master
+    assert sibling("r1", "s3").master_bytes > 0  # built again

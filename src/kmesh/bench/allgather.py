@@ -9,10 +9,11 @@ Strategies, all replaying the same prompts (a trace from workloads/allgather.py)
 - per_request: prefix reuse, plus position-independent reuse of the round's outputs, recovered per
   agent with the policy (CacheBlend / EPIC style): each output's stored KV comes from its author's
   context, is re-rotated to the agent's positions and partly recomputed there.
-- collective (KMesh): prefix reuse, plus recovery/collective.py: the outputs recovered once per
-  round in the agents' common context (system prompt and earlier rounds' masters; from the same
-  stored KV, at `shared_ratio`, by default 1.0: computed in full) and stored as one master; per
-  agent a mirror re-places them and the policy recomputes `agent_ratio` of its blocks.
+- collective (KMesh): prefix reuse, plus recovery/collective.py: each round's outputs held once
+  as the round's master, by default the first agent's own exact KV of them (`master` "sibling");
+  or ("common") recovered once in the agents' common context (system prompt and earlier rounds'
+  masters; from the same stored KV, at `shared_ratio`, by default 1.0: computed in full); every
+  other agent's mirror re-places them and the policy recomputes `agent_ratio` of its blocks.
 
 The outputs' stored KV is the by-product of generation: each output computed after its author's
 full prompt (the reference run gives it; it is decode work, not counted as prefill). Headers and
@@ -22,10 +23,12 @@ Accounting: computed_tokens = token-layers computed / layers (a token computed t
 layers counts 2/30), every round; prefill_seconds = wall time of the strategy's prefill work
 (recovery, restore, selection included); kv_bytes_per_agent = bytes stored per agent for the
 rounds' output regions in whole blocks (dense copies for full, prefix and per_request; master plus
-mirrors divided by the agents for collective). Quality is measured on every prompt that holds
-outputs (rounds >= 1; round-0 prompts hold none and every strategy computes them exactly): KL of the
-next-token distribution at the first generated position, top-1 agreement and the common prefix of
-32 greedy tokens decoded from each strategy's own KV.
+mirrors divided by the agents for collective). A round's new tokens are those of the distinct
+segments of its prompts that no earlier round's prompt held (workloads/allgather.py::new_tokens).
+Quality is measured on every prompt that holds outputs (rounds >= 1; round-0 prompts hold none and
+every strategy computes them exactly): KL of the next-token distribution at the first generated
+position, top-1 agreement and the common prefix of 32 greedy tokens decoded from each strategy's
+own KV.
 """
 
 import os
@@ -44,12 +47,25 @@ from kmesh.errors import InvalidRequestError
 from kmesh.index.segment_index import SegmentIndex
 from kmesh.kv.master_mirror import kv_digest, restore
 from kmesh.kv.segment_kv import SegmentKV
-from kmesh.recovery.collective import SharedSegment, Sibling, recover_round
+from kmesh.recovery.collective import (
+    MASTER_CHOICES,
+    CommonContext,
+    SharedSegment,
+    SiblingInput,
+    master_in_common,
+    recover_round,
+)
 from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
-from kmesh.state.segments import Role, Segment
-from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, group_rounds, output_segment_id
+from kmesh.state.segments import Segment
+from kmesh.workloads.allgather import (
+    AgentTurn,
+    AllGatherConfig,
+    group_rounds,
+    new_tokens,
+    output_segment_id,
+)
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 AUTHOR = "author"  # segment-index context of an output's KV computed after its author's prompt
@@ -59,6 +75,8 @@ COMPUTE_ALL = RecoveryConfig("full", 1.0)
 @dataclass(frozen=True, slots=True)
 class AllGatherBenchConfig:
     policy: str = "kv_deviation"
+    # collective: where each round's master comes from (recovery/collective.py).
+    master: str = "sibling"
     # per_request: share of each agent's reused tokens recomputed in its own context.
     recompute_ratio: float = 0.3
     # collective: share of the round's outputs recomputed once in the common context (1.0: all
@@ -76,6 +94,10 @@ class AllGatherBenchConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise InvalidRequestError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.master not in MASTER_CHOICES:
+            raise InvalidRequestError(
+                f"--master must be one of {MASTER_CHOICES}, got {self.master!r}"
+            )
         for flag, value in (
             ("--recompute-ratio", self.recompute_ratio),
             ("--shared-ratio", self.shared_ratio),
@@ -230,6 +252,7 @@ class AllGatherBench:
             "agents": self.agents,
             "rounds": len(self.rounds),
             "policy": cfg.policy,
+            "master": cfg.master,
             "recompute_ratio": cfg.recompute_ratio,
             "shared_ratio": cfg.shared_ratio,
             "agent_ratio": cfg.agent_ratio,
@@ -239,6 +262,7 @@ class AllGatherBench:
             "greedy_tokens": cfg.greedy_tokens,
             "model": self.fingerprint,
             "prompt_tokens": self.prompt_tokens,
+            "new_tokens_per_round": new_tokens(self.rounds),
         }
 
     # --- the four strategies -------------------------------------------------------------------
@@ -284,44 +308,42 @@ class AllGatherBench:
         run.extra = {"kv_bytes_master": 0, "kv_bytes_mirror_per_agent": 0.0}
         identical = True
         transcripts = self._start(run)
-        # The round's common context: the system prompt, then every earlier round's master in
-        # canonical order (what all agents share, without anyone's private history).
-        common = _Transcript(transcripts[0].token_ids, transcripts[0].k, transcripts[0].v)
+        # The "common" choice's context: the system prompt, then every earlier round's master.
+        common = CommonContext(transcripts[0].k, transcripts[0].v)
         self._prefill_after_transcripts(run, 0, transcripts)  # no outputs yet
         for r, turns in enumerate(self.rounds[1:], start=1):
             started = time.perf_counter()
-            outputs = [self._output_reuse(r - 1, author, turns[0]) for author in range(self.agents)]
-            siblings = [
-                Sibling(x.context(), self._reading_order(r, t), self._instruction(t))
-                for t, x in zip(turns, transcripts, strict=True)
-            ]
+            master = None
+            if self.cfg.master == "common":
+                outputs = [self._output_reuse(r - 1, a, turns[0]) for a in range(self.agents)]
+                shared_cfg = self.cfg.recovery(self.cfg.shared_ratio)
+                master, shared = master_in_common(
+                    self.executor, common, outputs, shared_cfg, self.cfg.block_size
+                )
+                common.extend(shared)
+                # Shared work is counted once; _finish_round adds the siblings'.
+                run.add(r, computed=shared.computed_tokens)
+                run.fallbacks += int(shared.fell_back)
+            siblings = [self._sibling(r, t, x) for t, x in zip(turns, transcripts, strict=True)]
             result = recover_round(
                 self.executor,
-                common.context(),
-                outputs,
                 siblings,
-                self.cfg.recovery(self.cfg.shared_ratio),
                 self.cfg.recovery(self.cfg.agent_ratio),
                 self.cfg.block_size,
+                master,
             )
-            common.token_ids += tuple(t for o in outputs for t in o.token_ids.tolist())
-            common.k = torch.cat((common.k, result.shared.k), dim=1)
-            common.v = torch.cat((common.v, result.shared.v), dim=1)
             run.add(r, seconds=time.perf_counter() - started)
-            # Shared work is counted once; _finish_round adds the siblings'.
-            run.add(r, computed=result.shared.computed_tokens)
-            run.fallbacks += int(result.shared.fell_back)
-            mirrors = [s.mirror for s in result.siblings]
-            mirror_bytes = sum(m.nbytes for m in mirrors)
+            mirror_bytes = sum(s.mirror_bytes for s in result.siblings)
             run.kv_bytes_per_agent += (result.master.nbytes + mirror_bytes) / self.agents
             run.extra["kv_bytes_master"] += result.master.nbytes
             run.extra["kv_bytes_mirror_per_agent"] += mirror_bytes / self.agents
-            for sibling in result.siblings:
-                span = len(sibling.mirror.positions)
-                k, v = restore(result.master, sibling.mirror, self.executor.config)
-                identical &= kv_digest(k, v) == kv_digest(
-                    sibling.recovered.k[:, :span], sibling.recovered.v[:, :span]
-                )
+            for sibling, out in zip(siblings, result.siblings, strict=True):
+                for mirror in out.mirrors:
+                    k, v = restore(result.master, mirror, self.executor.config)
+                    rows = mirror.positions - sibling.start
+                    identical &= kv_digest(k, v) == kv_digest(
+                        out.recovered.k[:, rows], out.recovered.v[:, rows]
+                    )
             self._finish_round(run, r, turns, transcripts, [s.recovered for s in result.siblings])
         run.extra["restore_bit_identical"] = identical
         return run
@@ -441,15 +463,20 @@ class AllGatherBench:
         reusable[offset : offset + len(body)] = True
         return SharedSegment(torch.tensor(tokens), SegmentKV(k, v), reusable)
 
-    def _reading_order(self, r: int, turn: AgentTurn) -> list[int]:
-        order = [self._author(r, s) for s in turn.prompt.segments]
-        return [a for a in order if a is not None][-self.agents :]
-
-    def _instruction(self, turn: AgentTurn) -> torch.Tensor:
-        last = turn.prompt.segments[-1]
-        if last.role is not Role.INSTRUCTION:
-            raise ValueError(f"agent {turn.agent}'s round-{turn.round} prompt has no instruction")
-        return torch.tensor(last.token_ids)
+    def _sibling(self, r: int, turn: AgentTurn, transcript: _Transcript) -> SiblingInput:
+        """The agent's round-r prompt after its transcript, with where round r - 1's outputs lie
+        (in author order: the round's canonical order)."""
+        segments = self._region_segments(turn, transcript)
+        where = {
+            segment.segment_id: (span.start, span.end)
+            for segment, span in zip(turn.prompt.segments, turn.prompt.spans, strict=True)
+        }
+        return SiblingInput(
+            torch.tensor([t for s in segments for t in s.token_ids]),
+            len(transcript.token_ids),
+            transcript.context(),
+            [where[output_segment_id(r - 1, a)] for a in range(self.agents)],
+        )
 
     def _blank(self, n: int) -> torch.Tensor:
         c = self.config
@@ -581,6 +608,7 @@ def strategies_report(runs: dict[str, dict[str, Any]], config: dict[str, Any]) -
     """The report of the four strategies' summaries (the JSON both engines' benches write)."""
     per_request, collective = runs["per_request"], runs["collective"]
     dense = runs["full"]["kv_bytes_per_agent"]
+    new = config["new_tokens_per_round"][-1]
     return {
         "hardware": hardware(),
         "note": (
@@ -595,6 +623,14 @@ def strategies_report(runs: dict[str, dict[str, Any]], config: dict[str, Any]) -
             "seconds_collective_over_per_request": _ratio(
                 collective["prefill_seconds"], per_request["prefill_seconds"]
             ),
+            "computed_collective_over_prefix": _ratio(
+                collective["computed_tokens"], runs["prefix"]["computed_tokens"]
+            ),
+            # The last round's computed tokens over the tokens new to the system in it.
+            "last_round_computed_over_new": {
+                name: _ratio(run["per_round"][-1]["computed_tokens"], new)
+                for name, run in runs.items()
+            },
             "computed_collective_over_per_request_reuse_rounds": _ratio(
                 collective["computed_tokens_reuse_rounds"],
                 per_request["computed_tokens_reuse_rounds"],

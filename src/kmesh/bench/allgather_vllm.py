@@ -41,7 +41,13 @@ from kmesh.bench.allgather import (
     summary_of,
 )
 from kmesh.state.segments import Segment
-from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, group_rounds, output_segment_id
+from kmesh.workloads.allgather import (
+    AgentTurn,
+    AllGatherConfig,
+    group_rounds,
+    new_tokens,
+    output_segment_id,
+)
 
 FAMILY = "allgather"
 
@@ -55,9 +61,11 @@ class VllmAllGatherBench:
         cfg: AllGatherBenchConfig,
         vocab_size: int,
         kv_bytes_per_token: int,
+        block_size: int,
         progress: Callable[[str], None] = lambda _: None,
     ) -> None:
         self.llm = llm
+        self.block_size = block_size
         self.workload = workload
         self.cfg = cfg
         self.vocab_size = vocab_size
@@ -74,15 +82,17 @@ class VllmAllGatherBench:
             "agents": max(len(r) for r in self.rounds),
             "rounds": len(self.rounds),
             "policy": cfg.policy,
+            "master": cfg.master,
             "recompute_ratio": cfg.recompute_ratio,
             "shared_ratio": cfg.shared_ratio,
             "agent_ratio": cfg.agent_ratio,
             "check_layer": cfg.check_layer,
             "gate": cfg.gate,
-            "block_size": None,  # vLLM's pages (128 on CPU); masters use kmesh/vllm/recovery.py's
+            "block_size": self.block_size,  # vLLM's pages; masters use kmesh/vllm/recovery.py's
             "greedy_tokens": cfg.greedy_tokens,
             "model": fingerprint,
             "prompt_tokens": sum(len(t.prompt.token_ids) for r in self.rounds for t in r),
+            "new_tokens_per_round": new_tokens(self.rounds),
             "order": self.workload.order,
             "seed": self.workload.seed,
             "output_tokens": self.workload.output_tokens,
@@ -95,6 +105,7 @@ class VllmAllGatherBench:
         self.progress(name)
         run = StrategyRun(name)
         masters = 0
+        mirrors = 0
         for r, turns in enumerate(self.rounds):
             requests = [self._request(name, r, t) for t in turns]
             started = time.perf_counter()
@@ -113,6 +124,7 @@ class VllmAllGatherBench:
                 if recovery.get("deviation") is not None:
                     run.deviations.append(recovery["deviation"])
                 masters += recovery.get("master_bytes", 0)
+                mirrors += recovery.get("mirror_bytes", 0)
             if r == 0:
                 continue
             run.kv_bytes_per_agent += self._output_bytes(r)
@@ -120,10 +132,9 @@ class VllmAllGatherBench:
         if name == "collective":
             agents = max(len(turns) for turns in self.rounds)
             run.kv_bytes_per_agent += masters / agents
-            run.extra = {
-                "kv_bytes_master": masters,
-                "kv_bytes_mirror_per_agent": run.kv_bytes_per_agent - masters / agents,
-            }
+            # What a store would keep of the rounds (issue: group state in the store): the
+            # masters and every agent's mirror (indices + block-sparse diff).
+            run.extra = {"kv_bytes_master": masters, "kv_bytes_mirror_per_agent": mirrors / agents}
         return run
 
     def _measure(self, run: StrategyRun, r: int, requests: list[tuple[dict, dict | None]]) -> None:
@@ -178,7 +189,12 @@ class VllmAllGatherBench:
                 "recovery": {**recovery, "ratio": cfg.recompute_ratio},
             }
         outputs = self._outputs(r - 1)
-        round_ = {"id": f"r{r}", "segments": outputs, "shared_ratio": cfg.shared_ratio}
+        round_ = {
+            "id": f"r{r}",
+            "segments": outputs,
+            "master": cfg.master,
+            "shared_ratio": cfg.shared_ratio,
+        }
         return prompt, {
             "family": FAMILY,
             "segments": segments,
@@ -209,16 +225,18 @@ def run_vllm_allgather_bench(
     cfg: AllGatherBenchConfig,
     workload: AllGatherConfig,
     model: str | None = None,
+    block_size: int | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """Start vLLM with KMeshConnector on the model folder, attach it, run the four strategies."""
+    """Start vLLM with KMeshConnector on the model folder (pages of `block_size` tokens,
+    default DEFAULT_BLOCK_SIZE), attach it, run the four strategies."""
     import json
     from pathlib import Path
 
     from vllm import LLM
 
     from kmesh.compute.loader import resolve_model_dir
-    from kmesh.vllm.config import attach, vllm_engine_kwargs
+    from kmesh.vllm.config import DEFAULT_BLOCK_SIZE, attach, vllm_engine_kwargs
     from kmesh.vllm.scheduler_side import model_fingerprint
 
     path = resolve_model_dir(model)
@@ -228,11 +246,15 @@ def run_vllm_allgather_bench(
     kv_bytes_per_token = 2 * hf["num_hidden_layers"] * heads * head_dim * 4  # float32
     progress("starting vLLM with KMeshConnector")
     longest = max(len(t.prompt.token_ids) for t in turns) + cfg.greedy_tokens
-    llm = LLM(**vllm_engine_kwargs(path, max_model_len=max(4096, longest), max_logprobs=-1))
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    kwargs = vllm_engine_kwargs(
+        path, max_model_len=max(4096, longest), block_size=block_size, max_logprobs=-1
+    )
+    llm = LLM(**kwargs)
     try:
         attach(llm)
         bench = VllmAllGatherBench(
-            llm, turns, workload, cfg, hf["vocab_size"], kv_bytes_per_token, progress
+            llm, turns, workload, cfg, hf["vocab_size"], kv_bytes_per_token, block_size, progress
         )
         return bench.report(model_fingerprint(str(path)))
     finally:

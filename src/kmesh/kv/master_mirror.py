@@ -1,11 +1,13 @@
 """Master-Mirror KV storage for an All-Gather round (as in TokenDance).
 
 In an All-Gather round N siblings read the same N output segments, each in its own order and from
-its own start position. The master holds the segments' KV once, densely, in blocks: keys re-rotated
-to canonical positions 0..n_i-1 of their segment, every segment starting a new block (its last
-block zero padded). A sibling is a mirror: its segment order and start position, which say where
-every master token sits in the sibling's prompt, plus a block-sparse diff of the sibling's blocks
-whose KV is not the master's (the blocks its recovery recomputed). The sibling's blocks are the
+its own start position. The master holds the segments' KV once, densely, in blocks, every segment
+starting a new block (its last block zero padded), keys as they were computed: segment i's at the
+consecutive positions from `segment_starts[i]`. A sibling that reads a segment where it was
+computed (the sibling the master was taken from) turns its keys by 0: bit-identical. A sibling
+is a mirror: its segment order and start position, which say where every master token sits in
+the sibling's prompt, plus a block-sparse diff of the sibling's blocks whose KV is not the
+master's (the blocks its recovery recomputed). The sibling's blocks are the
 master blocks of its segments, concatenated in its order, so a diff block lines up with one master
 block.
 
@@ -14,8 +16,9 @@ Tolerance mode drops a diff block whose KV lies within the tolerance of the mast
 difference) and records the largest dropped difference.
 
 `restore` is one fused pass over all blocks, tokens and layers at once: gather the sibling's master
-blocks (one index_select), rotate every gathered key from canonical to sibling position (one RoPE
-call), overwrite the diff blocks (one index_copy), select the region's tokens (one index_select).
+blocks (one index_select), rotate every gathered key from its master position to its sibling
+position (one RoPE call), overwrite the diff blocks (one index_copy), select the region's tokens
+(one index_select).
 The sibling's recovery starts from `restore` of a diff-free mirror and stores recomputed whole
 blocks as the diff, so the blocks it kept and the blocks it stored both come back bit-identical.
 """
@@ -47,13 +50,14 @@ def _rope_geometry(config: ModelConfig) -> tuple[int, int, int, float]:
 
 @dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
 class Master:
-    """The round's segments' KV, dense, in blocks of canonical form (keys at 0..n_i-1)."""
+    """The round's segments' KV, dense, in blocks (keys at the positions they were computed at)."""
 
     blocks: torch.Tensor  # [B, 2, layers, block_size, kv_heads, head_dim]; [:, 0] K, [:, 1] V
     segment_lengths: tuple[int, ...]
     segment_first_block: tuple[int, ...]  # index of each segment's first block in `blocks`
+    segment_starts: tuple[int, ...]  # position of each segment's first key
     block_size: int
-    config: ModelConfig  # the RoPE the canonical keys are rotated with
+    config: ModelConfig  # the RoPE the keys are rotated with
 
     @property
     def nbytes(self) -> int:
@@ -61,13 +65,15 @@ class Master:
 
     @property
     def block_positions(self) -> torch.Tensor:
-        """[B] int64: canonical position (offset in its segment) of each block's first slot."""
+        """[B] int64: position of the key in each block's first slot."""
         device = self.blocks.device
         positions = torch.zeros(self.blocks.shape[0], dtype=torch.int64, device=device)
-        for first, length in zip(self.segment_first_block, self.segment_lengths, strict=True):
+        for first, length, start in zip(
+            self.segment_first_block, self.segment_lengths, self.segment_starts, strict=True
+        ):
             count = -(-length // self.block_size)
             offsets = torch.arange(count, device=device) * self.block_size
-            positions[first : first + count] = offsets
+            positions[first : first + count] = start + offsets
         return positions
 
     @classmethod
@@ -78,7 +84,7 @@ class Master:
         config: ModelConfig,
     ) -> "Master":
         """Segments in canonical order, each (k [L, n_i, H, D], v [L, n_i, H, D], positions
-        [n_i] at which the keys were computed)."""
+        [n_i] at which the keys were computed: consecutive)."""
         if not segments:
             raise ValueError("a master needs at least one segment")
         if block_size < 1:
@@ -101,6 +107,10 @@ class Master:
                 )
             if k.dtype != dtype or v.dtype != dtype:
                 raise ValueError(f"segment {i}: dtype differs from segment 0's {dtype}")
+            if k.shape[1] and not torch.equal(
+                positions.long().cpu(), int(positions[0]) + torch.arange(k.shape[1])
+            ):
+                raise ValueError(f"segment {i}: positions are not consecutive")
             lengths.append(k.shape[1])
         counts = [-(-n // block_size) for n in lengths]
         firsts = [sum(counts[:i]) for i in range(len(counts))]
@@ -110,18 +120,15 @@ class Master:
             dtype=dtype,
             device=segments[0][0].device,
         )
-        for (k, v, positions), n, count, first in zip(
-            segments, lengths, counts, firsts, strict=True
-        ):
-            to = torch.arange(n, device=k.device)
-            canonical = _rotate(k.transpose(0, 1), positions.long(), to, config)
+        for (k, v, _), n, count, first in zip(segments, lengths, counts, firsts, strict=True):
             padded = k.new_zeros((2, layers, count * block_size, heads, dim))
-            padded[0, :, :n] = canonical.transpose(0, 1)
+            padded[0, :, :n] = k
             padded[1, :, :n] = v
             blocks[first : first + count] = padded.view(
                 2, layers, count, block_size, heads, dim
             ).permute(2, 0, 1, 3, 4, 5)
-        return cls(blocks, tuple(lengths), tuple(firsts), block_size, config)
+        starts = tuple(int(p[0]) if len(p) else 0 for _, _, p in segments)
+        return cls(blocks, tuple(lengths), tuple(firsts), starts, block_size, config)
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
@@ -289,12 +296,12 @@ def _sibling_blocks(
         )
     gathered = master.blocks.index_select(0, mirror.block_table)
     count, _, layers, bs, heads, dim = gathered.shape
-    # Canonical position of every slot; sibling position of every token's slot (padding: no turn).
+    # Master position of every slot; sibling position of every token's slot (padding: no turn).
     starts = master.block_positions[mirror.block_table]
-    canonical = (starts[:, None] + torch.arange(bs, device=starts.device)).flatten()
-    target = canonical.index_copy(0, mirror.token_slots, mirror.positions)
+    stored = (starts[:, None] + torch.arange(bs, device=starts.device)).flatten()
+    target = stored.index_copy(0, mirror.token_slots, mirror.positions)
     keys = gathered[:, 0].transpose(1, 2).reshape(count * bs, layers, heads, dim)
-    keys = _rotate(keys, canonical, target, config).view(count, bs, layers, heads, dim)
+    keys = _rotate(keys, stored, target, config).view(count, bs, layers, heads, dim)
     out = torch.stack((keys.transpose(1, 2), gathered[:, 1]), dim=1)
     if diff:
         out.index_copy_(0, mirror.diff_index, mirror.diff_blocks)

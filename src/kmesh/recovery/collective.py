@@ -1,26 +1,36 @@
-"""Collective recovery: one round's shared recovery done once, then per sibling only its own part.
+"""Collective recovery of All-Gather rounds: one mechanism for both engines.
 
-In an All-Gather round N siblings read the same N output segments, each after its own private
-history and in its own order. Per-request recovery (CacheBlend, EPIC) repeats the same work in every
-sibling. Collective recovery splits it:
+In an All-Gather round N siblings read the same N output segments, each after its own exact
+prefix, in its own order, at its own positions. Per-request recovery (CacheBlend, EPIC) repeats the
+same repair in every sibling; collective recovery pays for the shared part once per round and
+keeps it as the round's dense master (kv/master_mirror.py), which every other sibling reads through
+its mirror. The caller (the reference bench, the reference engine's runner, vLLM's worker half)
+only says what a sibling is: its region (the tokens after its exact prefix), that prefix's KV, and
+where the round's segments lie in its prompt (`SiblingInput`).
 
-1. Shared, once per round: the segments are laid out in canonical order right after a common
-   context (what every sibling shares: the system prompt and the earlier rounds' masters) and
-   recovered there with the shared config, starting from the segments' stored KV (e.g. each
-   output's KV from its author's context); at ratio 1.0 that is a plain prefill of the segments.
-   This makes the cross-segment attention among the outputs right, which an author's context
-   cannot give. The result becomes the round's dense master (kv/master_mirror.py).
-2. Per sibling: its mirror places the master's segments in its order after its prefix (one fused
-   gather + re-rotation), and the policy recomputes `agent_ratio` of the region's blocks: the blocks
-   its private history disturbs most (kv_deviation), the first of each segment (first_k) or random
-   ones. Whole blocks, because the sibling stores exactly those blocks as its block-sparse diff;
-   every other block keeps the master's KV, so the diff stays sparse and restore is bit-identical.
-   The sibling's own tail (its instruction) is computed in full.
+Where the master comes from (`MASTER_CHOICES`):
+- "sibling" (TokenDance's choice: the request closest to the common structure is a real sibling):
+  the round's first sibling is computed exactly (policy full) and its own KV of the round's
+  segments is the master. It costs nothing beyond that sibling's own prefill, and the master has
+  seen a real sibling's whole context (system prompt, persona, history).
+- "common": the segments laid out in canonical order after the family's common context (its
+  leading shared segments and every earlier round's master: `CommonContext`) and recovered there
+  from their stored KV at the shared config (ratio 1.0: a plain prefill of the segments);
+  `master_in_common`. This costs one extra prefill of the segments per round.
 
-What stays approximate: each sibling's uncorrected blocks attended to the common context, not to
-its private history and its order. Benchmarks measure how far that is from full prefill. The cost
-is one shared recovery per round plus, per sibling, its correction and its tail: linear in the
-number of siblings, where per-request recovery of N outputs in N siblings grows as N squared.
+Every other sibling (`recover_siblings`): its mirrors place the master's segments at its
+positions in its order (one mirror per contiguous run of round segments: one fused gather + RoPE
+call each), and the policy recomputes the config's `ratio` of the placed blocks (whole blocks:
+kv_deviation the ones its own history disturbs most, first_k the first of each segment, random);
+tokens outside the round's segments are computed. Uncorrected blocks keep the master's KV exactly,
+so each mirror's diff is block-sparse (the recomputed blocks) and `restore` gives the sibling's
+KV back bit-identically; the master sibling's mirrors have an empty diff (its keys turn by 0).
+
+What stays approximate: a mirrored sibling's uncorrected blocks attended to the master sibling's
+context (or the common context), not to its own. Benchmarks measure how far that is from full
+prefill; the gate (recover.py) falls back to full computation of a region that deviates too much.
+Cost: the master sibling's prefill, then per sibling its correction and its own tokens: linear in
+the number of siblings, where per-request recovery of N outputs in N siblings grows as N squared.
 """
 
 from collections.abc import Sequence
@@ -33,135 +43,288 @@ from kmesh.kv.master_mirror import Master, Mirror, restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 
-
-@dataclass(frozen=True, slots=True)
-class SharedSegment:
-    token_ids: torch.Tensor  # [n]
-    stored: SegmentKV  # KV at canonical positions; rows that are not `reusable` are ignored
-    reusable: torch.Tensor  # [n] bool
+MASTER_CHOICES = ("sibling", "common")
+EXACT = RecoveryConfig("full", 1.0)
 
 
 @dataclass(frozen=True, slots=True)
-class Sibling:
-    prefix: DenseKV  # its exact context before the segments
-    order: Sequence[int]  # the segment indices in the order it reads them
-    tail: torch.Tensor  # tokens after the segments, computed in full (its instruction)
+class SiblingInput:
+    """One sibling's request as a region: what follows its exact prefix."""
+
+    token_ids: torch.Tensor  # [t] the region's tokens
+    start: int  # position of token_ids[0]; `prefix` holds positions [0, start)
+    prefix: DenseKV | None
+    # [lo, hi) prompt positions of each round segment, in the round's canonical order; a segment
+    # may begin inside the prefix (its KV there is exact already) but must end by the region's end
+    # for the master sibling.
+    spans: Sequence[tuple[int, int]]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
 class SiblingResult:
-    recovered: Recovered  # region = the segments in its order, then its tail
-    mirror: Mirror  # its segments' KV as a diff against the master
+    recovered: Recovered  # over the whole region
+    mirrors: tuple[Mirror, ...]  # one per contiguous run of round segments; diff = its corrections
+    reused_tokens: int  # region tokens whose KV is the master's (placed, not recomputed)
+
+    @property
+    def mirror_bytes(self) -> int:
+        return sum(m.nbytes for m in self.mirrors)
 
 
 @dataclass(frozen=True, slots=True)
-class CollectiveRound:
+class RoundResult:
     master: Master
-    shared: Recovered
-    siblings: list[SiblingResult]
+    built: bool  # this call built the master from its first sibling
+    siblings: list[SiblingResult]  # in the order given
 
     @property
     def computed_tokens(self) -> float:
-        return self.shared.computed_tokens + sum(s.recovered.computed_tokens for s in self.siblings)
-
-    @property
-    def fallbacks(self) -> int:
-        return int(self.shared.fell_back) + sum(s.recovered.fell_back for s in self.siblings)
+        return sum(s.recovered.computed_tokens for s in self.siblings)
 
 
 def recover_round(
     executor: Executor,
-    common: DenseKV,
-    segments: Sequence[SharedSegment],
-    siblings: Sequence[Sibling],
-    shared_cfg: RecoveryConfig,
-    sibling_cfg: RecoveryConfig,
+    siblings: Sequence[SiblingInput],
+    cfg: RecoveryConfig,
     block_size: int,
-) -> CollectiveRound:
+    master: Master | None = None,
+) -> RoundResult:
+    """Recover a round's siblings (those at hand: a round may arrive over several calls).
+    Without a master, the first sibling is computed exactly and becomes it ("sibling" choice);
+    the others are mirrored from the master and corrected by `cfg`."""
+    if not siblings:
+        raise ValueError("a round needs at least one sibling")
+    built = master is None
+    results: list[SiblingResult] = []
+    rest = list(siblings)
+    if master is None:
+        first = rest.pop(0)
+        recovered = recover(executor, [_plain_region(executor, first)], EXACT)[0]
+        master = master_of_sibling(first, recovered, block_size, executor)
+        mirrors = tuple(Mirror.of(master, order, lo) for lo, order in _runs(first.spans))
+        results.append(SiblingResult(recovered, mirrors, 0))
+    results.extend(recover_siblings(executor, master, rest, cfg))
+    return RoundResult(master, built, results)
+
+
+def master_of_sibling(
+    sibling: SiblingInput, recovered: Recovered, block_size: int, executor: Executor
+) -> Master:
+    """The round's master from a sibling's exact KV (its prefix, then its recovered region)."""
+    segments = []
+    for lo, hi in sibling.spans:
+        if hi > sibling.end:
+            raise ValueError(
+                f"round segment [{lo}, {hi}) ends after the master sibling's region "
+                f"(to {sibling.end}): the master needs every segment's KV"
+            )
+        k, v = _exact_rows(sibling, recovered, lo, hi)
+        segments.append((k, v, torch.arange(lo, hi)))
+    return Master.build(segments, block_size, executor.config)
+
+
+def recover_siblings(
+    executor: Executor, master: Master, siblings: Sequence[SiblingInput], cfg: RecoveryConfig
+) -> list[SiblingResult]:
+    """Mirror the master into each sibling's region and correct it by `cfg` (one batch)."""
+    placed = [_placed_region(executor, master, s) for s in siblings]
+    recovered = recover(executor, [region for region, _ in placed], cfg) if placed else []
+    results = []
+    for sibling, (region, mirrors), out in zip(siblings, placed, recovered, strict=True):
+        reused = int(region.reusable.sum()) - len(out.recomputed)
+        if out.fell_back and not cfg.recompute_on_gate:
+            results.append(SiblingResult(out, mirrors, 0))
+            continue
+        corrected = region.block[out.recomputed] if region.block is not None else None
+        diffed = []
+        for index, mirror in enumerate(mirrors):
+            k, v = restore(master, mirror, executor.config)
+            inside = (mirror.positions >= sibling.start) & (mirror.positions < sibling.end)
+            rows = mirror.positions[inside] - sibling.start
+            k[:, inside] = out.k[:, rows]
+            v[:, inside] = out.v[:, rows]
+            blocks = torch.zeros(0, dtype=torch.int64)
+            if corrected is not None:
+                own = corrected[(corrected >> 32) == index] & 0xFFFFFFFF
+                blocks = torch.unique(own)
+            diffed.append(mirror.with_diff(master, k, v, blocks))
+        results.append(SiblingResult(out, tuple(diffed), reused))
+    return results
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSegment:
+    """A round segment for the "common" choice: its tokens and its stored KV, if any."""
+
+    token_ids: torch.Tensor  # [n]
+    stored: SegmentKV  # KV at canonical positions; rows not `reusable` are ignored
+    reusable: torch.Tensor  # [n] bool
+
+
+def master_in_common(
+    executor: Executor,
+    common: "CommonContext",
+    segments: Sequence[SharedSegment],
+    cfg: RecoveryConfig,
+    block_size: int,
+) -> tuple[Master, Recovered]:
+    """The "common" choice: the segments recovered once after the common context, in canonical
+    order, at `cfg` (ratio 1.0: computed in full). Returns the master and that recovery (its cost;
+    `common.extend` takes it for the next round)."""
     config = executor.config
-    start = int(common.positions.max()) + 1 if len(common.positions) else 0
+    start = common.length
     lengths = [len(s.token_ids) for s in segments]
     positions = torch.arange(start, start + sum(lengths))
-    placed = [
-        s.stored.placed(p, config) for s, p in zip(segments, positions.split(lengths), strict=True)
-    ]
+    at = positions.split(lengths)
+    placed = [s.stored.placed(p, config) for s, p in zip(segments, at, strict=True)]
+    policy_cfg = cfg if cfg.ratio < 1.0 else EXACT
     shared = recover(
         executor,
         [
             RegionInput(
                 torch.cat([s.token_ids for s in segments]),
                 positions,
-                common,
+                common.dense(),
                 torch.cat([k for k, _ in placed], dim=1),
                 torch.cat([v for _, v in placed], dim=1),
                 torch.cat([s.reusable for s in segments]),
-                _segment_of_tokens(lengths),
+                torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
             )
         ],
-        shared_cfg,
+        policy_cfg,
     )[0]
     master = Master.build(
-        [
-            (k, v, p)
-            for k, v, p in zip(
+        list(
+            zip(
                 shared.k.split(lengths, dim=1),
                 shared.v.split(lengths, dim=1),
                 positions.split(lengths),
                 strict=True,
             )
-        ],
+        ),
         block_size,
         config,
     )
-    return CollectiveRound(
-        master, shared, _recover_siblings(executor, master, segments, siblings, sibling_cfg)
+    return master, shared
+
+
+@dataclass(slots=True)
+class CommonContext:
+    """A family's common context ("common" choice): its leading shared segments, then every
+    round's master segments in canonical order, at positions 0..n-1."""
+
+    k: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def dense(self) -> DenseKV:
+        return DenseKV(torch.arange(self.length), list(self.k), list(self.v))
+
+    def extend(self, shared: Recovered) -> None:
+        """Append a round's recovered segments (master_in_common's recovery)."""
+        self.k = torch.cat((self.k, shared.k), dim=1)
+        self.v = torch.cat((self.v, shared.v), dim=1)
+
+
+def _runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, tuple[int, ...]]]:
+    """Contiguous runs of round segments: (first position, canonical indices in reading order)."""
+    runs: list[tuple[int, list[int]]] = []
+    end = -1
+    for index in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        lo, hi = spans[index]
+        if runs and lo == end:
+            runs[-1][1].append(index)
+        else:
+            runs.append((lo, [index]))
+        end = hi
+    return [(lo, tuple(order)) for lo, order in runs]
+
+
+def _plain_region(executor: Executor, sibling: SiblingInput) -> RegionInput:
+    """The sibling's region with nothing reused (computed in full)."""
+    t = len(sibling.token_ids)
+    blank = _blank(executor, t)
+    return RegionInput(
+        sibling.token_ids,
+        torch.arange(sibling.start, sibling.end),
+        sibling.prefix,
+        blank,
+        blank,
+        torch.zeros(t, dtype=torch.bool),
+        torch.zeros(t, dtype=torch.int64),
     )
 
 
-def _recover_siblings(
-    executor: Executor,
-    master: Master,
-    segments: Sequence[SharedSegment],
-    siblings: Sequence[Sibling],
-    cfg: RecoveryConfig,
-) -> list[SiblingResult]:
-    config = executor.config
-    lengths = [len(s.token_ids) for s in segments]
-    regions = []
+def _exact_rows(
+    sibling: SiblingInput, recovered: Recovered, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV [L, hi - lo, H, D] of prompt positions [lo, hi): from the prefix, then the region."""
+    parts_k, parts_v = [], []
+    if lo < sibling.start:
+        if sibling.prefix is None:
+            raise ValueError(f"round segment [{lo}, {hi}) starts before a region with no prefix")
+        upto = min(hi, sibling.start)
+        parts_k.append(torch.stack([k[lo:upto] for k in sibling.prefix.k]))
+        parts_v.append(torch.stack([v[lo:upto] for v in sibling.prefix.v]))
+    if hi > sibling.start:
+        rows = slice(max(lo, sibling.start) - sibling.start, hi - sibling.start)
+        parts_k.append(recovered.k[:, rows])
+        parts_v.append(recovered.v[:, rows])
+    return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+
+
+def _placed_region(
+    executor: Executor, master: Master, sibling: SiblingInput
+) -> tuple[RegionInput, tuple[Mirror, ...]]:
+    """The sibling's region with the master's KV placed on its round segments.
+
+    Units for whole-block selection: a placed token's unit is (mirror index << 32 | its mirror
+    block), every other token a unit of its own (never chosen: not reusable)."""
+    t = len(sibling.token_ids)
+    k, v = _blank(executor, t), _blank(executor, t)
+    reusable = torch.zeros(t, dtype=torch.bool)
+    segment = torch.full((t,), len(sibling.spans), dtype=torch.int64)
+    block = -1 - torch.arange(t, dtype=torch.int64)
     mirrors = []
-    for sibling in siblings:
-        start = int(sibling.prefix.positions.max()) + 1 if len(sibling.prefix.positions) else 0
-        mirror = Mirror.of(master, sibling.order, start)
-        k, v = restore(master, mirror, config)
-        span = k.shape[1]
-        tail = len(sibling.tail)
-        blank = torch.zeros((k.shape[0], tail, *k.shape[2:]), dtype=k.dtype)
-        block = mirror.block_of_token()
-        regions.append(
-            RegionInput(
-                torch.cat([segments[i].token_ids for i in sibling.order] + [sibling.tail]),
-                torch.arange(start, start + span + tail),
-                sibling.prefix,
-                torch.cat((k, blank), dim=1),
-                torch.cat((v, blank), dim=1),
-                torch.cat(
-                    (torch.ones(span, dtype=torch.bool), torch.zeros(tail, dtype=torch.bool))
-                ),
-                _segment_of_tokens([lengths[i] for i in sibling.order] + [tail]),
-                # Tail tokens get block ids of their own (never chosen: not reusable).
-                torch.cat((block, int(block.max()) + 1 + torch.arange(tail))),
-                keep_reused_outside_selection=True,
-            )
+    for index, (lo, order) in enumerate(_runs(sibling.spans)):
+        mirror = Mirror.of(master, order, lo)
+        mirror_k, mirror_v = restore(master, mirror, executor.config)
+        inside = (mirror.positions >= sibling.start) & (mirror.positions < sibling.end)
+        rows = mirror.positions[inside] - sibling.start
+        k[:, rows] = mirror_k[:, inside]
+        v[:, rows] = mirror_v[:, inside]
+        reusable[rows] = True
+        block[rows] = (index << 32) | mirror.block_of_token()[inside]
+        segment_of = torch.repeat_interleave(
+            torch.tensor(order), torch.tensor([master.segment_lengths[i] for i in order])
         )
+        segment[rows] = segment_of[inside]
         mirrors.append(mirror)
-    results = []
-    for mirror, recovered in zip(mirrors, recover(executor, regions, cfg), strict=True):
-        span = len(mirror.positions)
-        corrected = torch.unique(mirror.block_of_token()[recovered.recomputed])
-        diff = mirror.with_diff(master, recovered.k[:, :span], recovered.v[:, :span], corrected)
-        results.append(SiblingResult(recovered, diff))
-    return results
+    region = RegionInput(
+        sibling.token_ids,
+        torch.arange(sibling.start, sibling.end),
+        sibling.prefix,
+        k,
+        v,
+        reusable,
+        segment,
+        block,
+        keep_reused_outside_selection=True,
+    )
+    return region, tuple(mirrors)
 
 
-def _segment_of_tokens(lengths: Sequence[int]) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+def _blank(executor: Executor, n: int) -> torch.Tensor:
+    c = executor.config
+    return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=executor.dtype)

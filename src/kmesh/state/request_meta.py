@@ -62,7 +62,10 @@ class RoundSpec(BaseModel):
 
     id: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     segments: list[str] = Field(min_length=1)
-    # Share of the outputs recomputed in the round's common context (1.0: computed in full).
+    # Where the round's master comes from (kmesh/recovery/collective.py): "sibling", the round's
+    # first sibling computed exactly; "common", the outputs recovered after the family's common
+    # context, recomputing `shared_ratio` of them (1.0: computed in full).
+    master: Literal["sibling", "common"] = "sibling"
     shared_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 
 

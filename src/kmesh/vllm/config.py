@@ -1,18 +1,23 @@
 """How to start vLLM with KMeshConnector (offline `vllm.LLM(**kwargs)` or `AsyncEngineArgs`).
 
 CPU defaults from ../shared/VLLM.md: eager mode (start ~40 s instead of ~125 s on 2 cores), an
-explicit KV cache size, float32 (the reference engine's dtype, so the two engines can be compared
-token for token). A failed load from the store is recomputed, never fatal.
+explicit KV cache size, float32 by default (the reference engine's dtype, so the two engines can be
+compared token for token; `dtype="bfloat16"` gives vLLM's usual CPU dtype, in which recovery runs
+too). A failed load from the store is recomputed, never fatal.
 """
 
 from pathlib import Path
 from typing import Any
 
 from kmesh.compute.loader import resolve_model_dir
+from kmesh.errors import InvalidRequestError
 
 CONNECTOR_NAME = "KMeshConnector"
 CONNECTOR_MODULE = "kmesh.vllm.connector"
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# vLLM's page size in tokens on CPU (a multiple of 32; vLLM's own default is 128). See
+# docs/FINDINGS.md for the measurement that chose it.
+DEFAULT_BLOCK_SIZE = 32
 # vLLM's worker_extension_cls (kmesh/vllm/worker_extension.py) and its method.
 WORKER_EXTENSION = "kmesh.vllm.worker_extension.KMeshWorkerExtension"
 ATTACH = "kmesh_attach"
@@ -37,17 +42,26 @@ def vllm_engine_kwargs(
     connector: bool = True,
     max_model_len: int = 8192,
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    dtype: str = "float32",
+    block_size: int = DEFAULT_BLOCK_SIZE,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` on the given model folder (the
-    embedded model when None). `connector=False` gives vanilla vLLM with the same settings."""
+    embedded model when None). `connector=False` gives vanilla vLLM with the same settings.
+    `dtype` is the model's and the KV cache's (recovery runs in "float32" or "bfloat16");
+    `block_size` vLLM's page size in tokens (its CPU backend takes multiples of 32)."""
+    if block_size < 32 or block_size % 32:
+        raise InvalidRequestError(
+            f"vLLM's CPU backend needs a block size that is a multiple of 32, got {block_size}"
+        )
     kwargs: dict[str, Any] = {
         "model": str(resolve_model_dir(model)),
-        "dtype": "float32",
+        "dtype": dtype,
         "enforce_eager": True,
         "enable_prefix_caching": True,
         "max_model_len": max_model_len,
         "kv_cache_memory_bytes": kv_cache_bytes,
+        "block_size": block_size,
         "seed": 0,
     }
     if connector:

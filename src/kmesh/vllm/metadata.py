@@ -67,7 +67,8 @@ class RecoveryReport:
 
     computed_tokens: float  # token-layers / layers, by KMesh's executor for this request
     shared_computed_tokens: float  # a round's master, paid by the sibling that built it
-    master_bytes: int  # the size of that master (kept by the worker), else 0
+    master_bytes: int  # the size of the master this request built (kept by the worker), else 0
+    mirror_bytes: int  # its mirrors: indices + the block-sparse diff against the master
     reused_tokens: int  # claimed tokens whose KV came from stored segment KV (re-rotated)
     deviation: float | None  # mean relative key deviation at the check layer, if computed
     fell_back: bool  # the gate sent the claimed tokens back to vLLM's prefill

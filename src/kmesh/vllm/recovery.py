@@ -37,8 +37,15 @@ import torch
 
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.index.segment_index import SegmentIndex
-from kmesh.kv.master_mirror import Master, Mirror, restore
+from kmesh.kv.master_mirror import Master
 from kmesh.kv.segment_kv import SegmentKV
+from kmesh.recovery.collective import (
+    CommonContext,
+    SharedSegment,
+    SiblingInput,
+    master_in_common,
+    recover_round,
+)
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
 from kmesh.vllm.metadata import RecoverTokens, RecoveryReport, SegmentSpan
@@ -78,17 +85,6 @@ class _Ledger:
             self._sizes.move_to_end(key)
 
 
-@dataclass(slots=True)
-class _Common:
-    """A family's common context: its leading shared segments, then every round's master."""
-
-    k: torch.Tensor  # [layers, n, kv_heads, head_dim], positions 0..n-1
-    v: torch.Tensor
-
-    def dense(self) -> DenseKV:
-        return DenseKV(torch.arange(self.k.shape[1]), list(self.k), list(self.v))
-
-
 @dataclass(frozen=True, slots=True)
 class Outcome:
     report: RecoveryReport
@@ -107,7 +103,7 @@ class WorkerRecovery:
         self.fingerprint = fingerprint
         self.ledger = _Ledger(max_bytes)
         self._segments: dict[str | None, SegmentIndex[SegmentKV]] = {}
-        self._commons: dict[tuple[str | None, str], _Common] = {}
+        self._commons: dict[tuple[str | None, str], CommonContext] = {}
         self._masters: dict[_Key, Master] = {}
 
     def run(self, jobs: Sequence[RecoverTokens], pages: Pages) -> dict[str, Outcome]:
@@ -133,7 +129,7 @@ class WorkerRecovery:
         recovered = recover(self.executor, [region], self._config(job))[0]
         if not recovered.fell_back:
             self._store_computed(job, region, recovered, end)
-        outcome = _outcome(recovered, region, 0.0, 0)
+        outcome = _outcome(recovered, region)
         if outcome.k is None or outcome.v is None:
             return outcome
         rows = job.end - job.start  # the claimed rows; the rest was computed to be stored
@@ -188,87 +184,86 @@ class WorkerRecovery:
     # -- collective ------------------------------------------------------------------------
 
     def _round(self, key: _Key, jobs: list[RecoverTokens], pages: Pages) -> dict[str, Outcome]:
-        built = key not in self._masters
-        master, shared_cost = self._master_of(key, jobs[0])
-        regions = [self._region(job, pages, self._mirrored(master, job)) for job in jobs]
-        recovered = recover(self.executor, regions, self._config(jobs[0]))
-        outcomes = {}
-        for i, (job, region, out) in enumerate(zip(jobs, regions, recovered, strict=True)):
-            first = built and i == 0
-            outcomes[job.request_id] = _outcome(
-                out, region, shared_cost if first else 0.0, master.nbytes if first else 0
-            )
-        return outcomes
-
-    def _master_of(
-        self, key: tuple[str | None, str, str], job: RecoverTokens
-    ) -> tuple[Master, float]:
-        """The round's master (built by its first sibling: the cost is returned once)."""
+        """A round's siblings of this step through kmesh.recovery.collective; without a kept
+        master, the first is the master sibling ("sibling" choice) or the master is recovered in
+        the family's common context first ("common")."""
+        round_ = jobs[0].spec.round
+        assert round_ is not None
         master = self._masters.get(key)
+        shared_cost = 0.0
         if master is not None:
             self.ledger.touch(("master", key))
-            return master, 0.0
-        tenant, family, _ = key
-        assert job.spec.round is not None
-        common, cost = self._common_of(tenant, family, job)
-        spans = _round_spans(job)
-        tokens = [job.token_ids[s.start : s.end] for s in spans]
-        lengths = [len(t) for t in tokens]
-        start = common.k.shape[1]
-        positions = torch.arange(start, start + sum(lengths))
-        index = self._index(tenant)
-        ks, vs, reusable = [], [], []
-        for segment_tokens, segment_positions in zip(tokens, positions.split(lengths), strict=True):
-            stored = index.get(segment_tokens, FIRST_READER)
-            if stored is None:
-                blank = self._blank(len(segment_tokens))
-                ks.append(blank)
-                vs.append(blank)
-                reusable.append(torch.zeros(len(segment_tokens), dtype=torch.bool))
-            else:
-                k, v = stored.placed(segment_positions, self.executor.config)
-                ks.append(k)
-                vs.append(v)
-                reusable.append(torch.ones(len(segment_tokens), dtype=torch.bool))
-        ratio = job.spec.round.shared_ratio
-        policy = "full" if ratio >= 1.0 else job.spec.policy
-        shared = recover(
-            self.executor,
-            [
-                RegionInput(
-                    torch.tensor([t for segment in tokens for t in segment]),
-                    positions,
-                    common.dense(),
-                    torch.cat(ks, dim=1),
-                    torch.cat(vs, dim=1),
-                    torch.cat(reusable),
-                    torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
-                )
-            ],
-            RecoveryConfig(policy, ratio, job.spec.check_layer, job.spec.gate),
-        )[0]
-        master = Master.build(
-            list(
-                zip(
-                    shared.k.split(lengths, dim=1),
-                    shared.v.split(lengths, dim=1),
-                    positions.split(lengths),
-                    strict=True,
-                )
-            ),
-            MASTER_BLOCK,
-            self.executor.config,
+        elif round_.master == "common":
+            master, shared_cost = self._common_master(key, jobs[0])
+            self._keep_master(key, master)
+        siblings = [
+            self._sibling(job, pages, master is None and i == 0) for i, job in enumerate(jobs)
+        ]
+        result = recover_round(self.executor, siblings, self._config(jobs[0]), MASTER_BLOCK, master)
+        if result.built:
+            self._keep_master(key, result.master)
+        built = result.built or shared_cost > 0
+        outcomes = {}
+        for i, (job, out) in enumerate(zip(jobs, result.siblings, strict=True)):
+            first = built and i == 0
+            report = RecoveryReport(
+                computed_tokens=out.recovered.computed_tokens,
+                shared_computed_tokens=shared_cost if first else 0.0,
+                master_bytes=result.master.nbytes if first else 0,
+                mirror_bytes=out.mirror_bytes,
+                reused_tokens=out.reused_tokens,
+                deviation=out.recovered.deviation,
+                fell_back=out.recovered.fell_back,
+            )
+            rows = job.end - job.start  # a master sibling may have computed more, to hold it
+            k = None if out.recovered.fell_back else out.recovered.k[:, :rows]
+            v = None if out.recovered.fell_back else out.recovered.v[:, :rows]
+            outcomes[job.request_id] = Outcome(report, k, v)
+        return outcomes
+
+    def _sibling(self, job: RecoverTokens, pages: Pages, holds_master: bool) -> SiblingInput:
+        """The job as a round sibling: its claimed rows (a master sibling's to the end of the
+        round's last segment, which may lie in the block vLLM computes: those tokens are computed
+        twice), its exact prefix read back from vLLM's pages."""
+        spans = [(s.start, s.end) for s in _round_spans(job)]
+        end = max(job.end, *(hi for _, hi in spans)) if holds_master else job.end
+        return SiblingInput(
+            torch.tensor(job.token_ids[job.start : end]),
+            job.start,
+            self._prefix(job, pages),
+            spans,
         )
-        common.k = torch.cat((common.k, shared.k), dim=1)
-        common.v = torch.cat((common.v, shared.v), dim=1)
+
+    def _keep_master(self, key: _Key, master: Master) -> None:
         self._masters[key] = master
-        self._hold(("common", tenant, family), common.k.nbytes + common.v.nbytes)
         self._hold(("master", key), master.nbytes)
+
+    def _common_master(self, key: _Key, job: RecoverTokens) -> tuple[Master, float]:
+        """The "common" choice: the round's outputs recovered after the family's common context
+        (its leading shared segments, then every earlier round's master), from their stored KV."""
+        tenant, family, _ = key
+        round_ = job.spec.round
+        assert round_ is not None
+        common, cost = self._common_of(tenant, family, job)
+        index = self._index(tenant)
+        segments = []
+        for span in _round_spans(job):
+            tokens = job.token_ids[span.start : span.end]
+            stored = index.get(tokens, FIRST_READER)
+            reusable = torch.full((len(tokens),), stored is not None)
+            if stored is None:  # computed in the common context
+                stored = SegmentKV(self._blank(len(tokens)), self._blank(len(tokens)))
+            segments.append(SharedSegment(torch.tensor(tokens), stored, reusable))
+        spec = job.spec
+        cfg = RecoveryConfig(spec.policy, round_.shared_ratio, spec.check_layer, spec.gate)
+        master, shared = master_in_common(self.executor, common, segments, cfg, MASTER_BLOCK)
+        common.extend(shared)
+        self._hold(("common", tenant, family), common.nbytes)
         return master, cost + shared.computed_tokens
 
     def _common_of(
         self, tenant: str | None, family: str, job: RecoverTokens
-    ) -> tuple[_Common, float]:
+    ) -> tuple[CommonContext, float]:
         """The family's common context; its leading shared segments are computed on first use."""
         common = self._commons.get((tenant, family))
         if common is not None:
@@ -280,45 +275,15 @@ class WorkerRecovery:
             if span.role != "shared" or span.segment_id in round_ids:
                 break
             trunk = span.end
-        config = self.executor.config
         if trunk == 0:
-            empty = torch.zeros((config.num_layers, 0, config.num_kv_heads, config.head_dim))
-            common = _Common(empty.to(self.executor.dtype), empty.to(self.executor.dtype))
+            common = CommonContext(self._blank(0), self._blank(0))
         else:
             out = self.executor.forward(
                 [SequenceInput(torch.tensor(job.token_ids[:trunk]), torch.arange(trunk))]
             )[0]
-            common = _Common(torch.stack(out.k), torch.stack(out.v))
+            common = CommonContext(torch.stack(out.k), torch.stack(out.v))
         self._commons[(tenant, family)] = common
         return common, float(trunk)
-
-    def _mirrored(
-        self, master: Master, job: RecoverTokens
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Span index -> the master's KV of that round segment at the span's positions, one
-        mirror (fused gather + RoPE) per contiguous run of round segments."""
-        assert job.spec.round is not None
-        canonical = {sid: i for i, sid in enumerate(job.spec.round.segments)}
-        runs: list[list[int]] = []
-        for i, span in enumerate(job.spans):
-            if span.segment_id not in canonical:
-                continue
-            if runs and job.spans[runs[-1][-1]].end == span.start:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        placed = {}
-        for run in runs:
-            order = [canonical[job.spans[i].segment_id or ""] for i in run]
-            k, v = restore(
-                master, Mirror.of(master, order, job.spans[run[0]].start), self.executor.config
-            )
-            offset = 0
-            for i in run:
-                n = job.spans[i].end - job.spans[i].start
-                placed[i] = (k[:, offset : offset + n], v[:, offset : offset + n])
-                offset += n
-        return placed
 
     # -- shared pieces ---------------------------------------------------------------------
 
@@ -347,20 +312,23 @@ class WorkerRecovery:
                 k[:, lo - job.start : hi - job.start] = span_k[:, lo - span.start : hi - span.start]
                 v[:, lo - job.start : hi - job.start] = span_v[:, lo - span.start : hi - span.start]
                 reusable[lo - job.start : hi - job.start] = True
-        prefix = None
-        if job.start > 0:
-            positions = torch.arange(job.start)
-            prefix_k, prefix_v = pages.read(job.block_ids, positions)
-            prefix = DenseKV(positions, list(prefix_k), list(prefix_v))
         return RegionInput(
             torch.tensor(job.token_ids[job.start : end]),
             torch.arange(job.start, end),
-            prefix,
+            self._prefix(job, pages),
             k,
             v,
             reusable,
             segment,
         )
+
+    def _prefix(self, job: RecoverTokens, pages: Pages) -> DenseKV | None:
+        """The exact KV of rows [0, start), read back from vLLM's pages."""
+        if job.start == 0:
+            return None
+        positions = torch.arange(job.start)
+        k, v = pages.read(job.block_ids, positions)
+        return DenseKV(positions, list(k), list(v))
 
     def _config(self, job: RecoverTokens) -> RecoveryConfig:
         spec = job.spec
@@ -397,13 +365,12 @@ def _round_spans(job: RecoverTokens) -> list[SegmentSpan]:
     return [by_id[sid] for sid in job.spec.round.segments]
 
 
-def _outcome(
-    recovered: Recovered, region: RegionInput, shared: float, master_bytes: int
-) -> Outcome:
+def _outcome(recovered: Recovered, region: RegionInput) -> Outcome:
     report = RecoveryReport(
         computed_tokens=recovered.computed_tokens,
-        shared_computed_tokens=shared,
-        master_bytes=master_bytes,
+        shared_computed_tokens=0.0,
+        master_bytes=0,
+        mirror_bytes=0,
         reused_tokens=int(region.reusable.sum()) - len(recovered.recomputed),
         deviation=recovered.deviation,
         fell_back=recovered.fell_back,

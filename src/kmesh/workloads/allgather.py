@@ -97,6 +97,19 @@ def group_rounds(turns: Sequence[AgentTurn]) -> list[list[AgentTurn]]:
     return rounds
 
 
+def new_tokens(rounds: Sequence[Sequence[AgentTurn]]) -> list[int]:
+    """Per round, the tokens new to the system: those of the distinct segments (by tokens) of its
+    prompts that no earlier round's prompt held, each counted once however many agents read it
+    (in round r: round r - 1's outputs and the instructions; in round 0 everything)."""
+    seen: set[tuple[int, ...]] = set()
+    counts = []
+    for turns in rounds:
+        fresh = {s.token_ids for t in turns for s in t.prompt.segments} - seen
+        counts.append(sum(len(tokens) for tokens in fresh))
+        seen |= fresh
+    return counts
+
+
 def output_segment_id(round_index: int, agent: int) -> str:
     """The segment id of `agent`'s output in round `round_index`, the same in every prompt."""
     return f"out-{round_index}-{agent}"
