@@ -217,6 +217,8 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         workload = AllGatherConfig(
             args.agents or 8, args.rounds or 3, args.order or "shuffle", args.seed
         )
+    if args.engine != "vllm" and args.block_size is not None:
+        raise InvalidRequestError("--block-size is vLLM's page size: it needs --engine vllm")
     if args.engine == "vllm":
         trace = (trace_model, turns) if args.trace is not None else None
         _bench_allgather_vllm(args, cfg, workload, trace)
@@ -268,11 +270,11 @@ def _bench_allgather_vllm(
     from kmesh.compute.loader import resolve_model_dir
     from kmesh.vllm.scheduler_side import model_fingerprint
 
-    unsupported = [f"--{n}" for n in ("sweep", "scale", "report") if getattr(args, n)]
+    unsupported = [f"--{n}" for n in ("scale", "report") if getattr(args, n)]
     if trace is None or unsupported:
         raise InvalidRequestError(
             "--engine vllm replays a trace (give --trace, made by `kmesh workload allgather`) "
-            "and takes no --sweep, --scale or --report"
+            "and takes no --scale or --report"
         )
     trace_model, turns = trace
     fingerprint = model_fingerprint(str(resolve_model_dir(args.model)))
@@ -284,7 +286,7 @@ def _bench_allgather_vllm(
         )
     console = Console(stderr=True)
     report = run_vllm_allgather_bench(
-        turns, cfg, workload, args.model, args.block_size, progress=console.log
+        turns, cfg, workload, args.model, args.block_size, args.sweep, progress=console.log
     )
     write_json(args.json, report)
     print_table(report, report_console())
@@ -485,7 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gather.add_argument("--no-gate", action="store_true", help="no quality gate")
     gather.add_argument(
-        "--sweep", action="store_true", help="also measure quality vs ratio for every policy"
+        "--sweep",
+        action="store_true",
+        help="also measure quality vs ratio (reference: every policy; vllm: collective's agent "
+        "ratio for both master choices)",
     )
     gather.add_argument("--scale", default=None, help="also run these agent counts, e.g. 4,8,16")
     gather.add_argument("--json", required=True, help="where to write the report")

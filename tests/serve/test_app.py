@@ -12,7 +12,7 @@ from kmesh.serve.reference_backend import ReferenceBackend
 
 pytestmark = pytest.mark.model
 
-STATS = ("prompt_tokens", "computed_tokens", "reused_tokens", "restored_tokens")
+STATS = ("prompt_tokens", "computed_tokens", "reused_tokens", "restored_tokens", "recovered_tokens")
 # About 90 tokens: a prefix long enough to fill several 16-token blocks.
 SHARED = (
     "The council of the river towns meets once a year in the old mill. Each town sends one "
@@ -325,3 +325,51 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(real_model):
     error = json.loads(events[-3].removeprefix("data: "))["error"]
     assert error["type"] == "server_error"
     assert "private details" not in error["message"]
+
+
+def test_a_declared_round_is_served_with_a_master_and_mirrors(client, backend):
+    """Three council members read the same two outputs in their own orders: the first is the
+    round's master (computed exactly), the others reuse every output token from it."""
+    tok = backend.tokenizer
+    outputs = {
+        "out-a": "Member 1 said: repave the main street before winter.",
+        "out-b": "Member 2 said: the clinic needs a nurse and a new scanner.",
+    }
+    lengths = {k: len(tok(v, add_special_tokens=False)["input_ids"]) for k, v in outputs.items()}
+
+    def sibling(member: int, order: list[str]) -> dict:
+        segments = [
+            {"text": SHARED, "role": "shared", "id": "system"},
+            {"text": f" You are member {member}. ", "role": "private"},
+            *({"text": outputs[name], "role": "shared", "id": name} for name in order),
+            {"text": " Your vote:", "role": "instruction"},
+        ]
+        recovery = {
+            "policy": "kv_deviation",
+            "ratio": 0.0,
+            "gate": 0.5,
+            "round": {"id": "r1", "segments": ["out-a", "out-b"]},
+        }
+        kmesh = {"family": "council-round", "segments": segments, "recovery": recovery}
+        return complete(client, kmesh=kmesh, max_tokens=2, cache_salt="kmesh-approx:council")
+
+    first, *others = [
+        sibling(m, o)
+        for m, o in ((1, ["out-a", "out-b"]), (2, ["out-b", "out-a"]), (3, ["out-b", "out-a"]))
+    ]
+    for body in (first, *others):
+        check_stats(body["kmesh"], family="council-round")
+    master = first["kmesh"]["recovery"]
+    assert master["master_bytes"] > 0 and master["reused_tokens"] == 0
+    for body in others:
+        report = body["kmesh"]["recovery"]
+        assert report["master_bytes"] == 0 and not report["fell_back"]
+        assert report["reused_tokens"] == sum(lengths.values())
+        assert body["kmesh"]["recovered_tokens"] > report["reused_tokens"]
+    # Without an approximate salt the same round is refused and computed exactly.
+    plain = complete(
+        client,
+        kmesh={"family": "x", "segments": [{"text": SHARED}], "recovery": {"policy": "none"}},
+        max_tokens=1,
+    )
+    assert "refused" in plain["kmesh"]["recovery"]

@@ -7,17 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import StoreClient
 from kmesh.store.client import write_segment
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import (
-    KMeshConnectorMetadata,
-    LoadBlock,
-    RecoverTokens,
-    RecoveryReport,
-    SaveBlock,
-)
+from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 

@@ -7,7 +7,7 @@ in one vLLM engine (prefix caching on) whose requests are kept apart by cache_sa
 - prefix: vanilla vLLM, prefix caching (no kmesh recovery): each agent's earlier prompts give
   its transcript's full blocks; exact.
 - per_request: KMeshConnector recovers each prompt's blocks after vLLM's local hit
-  (kmesh/vllm/recovery.py): stored segment KV re-rotated, `recompute_ratio` recomputed by the
+  (kmesh/recovery/requests.py): stored segment KV re-rotated, `recompute_ratio` recomputed by the
   policy. A segment's KV is stored by the first request that computes it in full (its context),
   so each round's first reader pays for every output.
 - collective: the rounds are declared (family + round id + the round's output segments): each
@@ -29,17 +29,20 @@ round outputs' pages; collective adds its masters (kept by the worker) divided b
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kmesh.bench.allgather import (
     STRATEGIES,
+    SWEEP_RATIOS,
     AllGatherBenchConfig,
     StrategyRun,
     strategies_report,
     summary_of,
 )
+from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.state.segments import Segment
 from kmesh.workloads.allgather import (
     AgentTurn,
@@ -66,6 +69,7 @@ class VllmAllGatherBench:
     ) -> None:
         self.llm = llm
         self.block_size = block_size
+        self.variant = ""  # told apart in the salts of a sweep's runs
         self.workload = workload
         self.cfg = cfg
         self.vocab_size = vocab_size
@@ -73,9 +77,10 @@ class VllmAllGatherBench:
         self.progress = progress
         self.rounds = group_rounds(turns)
 
-    def report(self, fingerprint: str) -> dict[str, Any]:
+    def report(self, fingerprint: str, sweep: bool = False) -> dict[str, Any]:
         runs = {name: self.run(name) for name in STRATEGIES}
         summaries = {name: summary_of(run, runs["full"]) for name, run in runs.items()}
+        rows = self.sweep(runs["full"]) if sweep else None
         cfg = self.cfg
         config = {
             "engine": "vllm",
@@ -88,7 +93,7 @@ class VllmAllGatherBench:
             "agent_ratio": cfg.agent_ratio,
             "check_layer": cfg.check_layer,
             "gate": cfg.gate,
-            "block_size": self.block_size,  # vLLM's pages; masters use kmesh/vllm/recovery.py's
+            "block_size": self.block_size,  # vLLM's pages; masters use kmesh/recovery/requests.py's
             "greedy_tokens": cfg.greedy_tokens,
             "model": fingerprint,
             "prompt_tokens": sum(len(t.prompt.token_ids) for r in self.rounds for t in r),
@@ -97,7 +102,34 @@ class VllmAllGatherBench:
             "seed": self.workload.seed,
             "output_tokens": self.workload.output_tokens,
         }
-        return strategies_report(summaries, config)
+        report = strategies_report(summaries, config)
+        if rows is not None:
+            report["sweep"] = rows
+        return report
+
+    def sweep(self, reference: StrategyRun) -> list[dict[str, Any]]:
+        """Collective at each agent ratio (SWEEP_RATIOS) for both master choices, each variant
+        under a cache salt of its own, measured against `reference`."""
+        rows = []
+        base = self.cfg
+        for master in MASTER_CHOICES:
+            for ratio in SWEEP_RATIOS:
+                self.cfg = replace(base, master=master, agent_ratio=ratio)
+                self.variant = f":{master}:{ratio}"
+                row = summary_of(self.run("collective"), reference)
+                rows.append(
+                    {
+                        "policy": base.policy,
+                        "ratio": ratio,
+                        "strategy": f"collective_{master}",
+                        "computed_tokens": row["computed_tokens"],
+                        "prefill_seconds": row["prefill_seconds"],
+                        "quality": row["quality"],
+                    }
+                )
+        self.cfg = base
+        self.variant = ""
+        return rows
 
     def run(self, name: str) -> StrategyRun:
         from vllm import SamplingParams
@@ -173,9 +205,9 @@ class VllmAllGatherBench:
             return prompt, None
         if name == "prefix" or r == 0:
             if name != "prefix":
-                prompt["cache_salt"] = f"kmesh-approx:{name}"
+                prompt["cache_salt"] = f"kmesh-approx:{name}{self.variant}"
             return prompt, None
-        prompt["cache_salt"] = f"kmesh-approx:{name}"
+        prompt["cache_salt"] = f"kmesh-approx:{name}{self.variant}"
         cfg = self.cfg
         segments = [_segment_spec(s) for s in turn.prompt.segments]
         recovery: dict[str, Any] = {
@@ -226,6 +258,7 @@ def run_vllm_allgather_bench(
     workload: AllGatherConfig,
     model: str | None = None,
     block_size: int | None = None,
+    sweep: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Start vLLM with KMeshConnector on the model folder (pages of `block_size` tokens,
@@ -256,6 +289,6 @@ def run_vllm_allgather_bench(
         bench = VllmAllGatherBench(
             llm, turns, workload, cfg, hf["vocab_size"], kv_bytes_per_token, block_size, progress
         )
-        return bench.report(model_fingerprint(str(path)))
+        return bench.report(model_fingerprint(str(path)), sweep)
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -24,6 +24,7 @@ from kmesh.engine.store_link import StoreLink
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.state.families import FamilyRegistry
+from kmesh.state.request_meta import recovery_refusal
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class Engine:
             num_blocks, block_size, model_fingerprint, prefix_caching, self.store
         )
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_seqs)
-        self.runner = ModelRunner(executor, self.cache)
+        self.runner = ModelRunner(executor, self.cache, model_fingerprint)
         self.families = FamilyRegistry()
         self.counters = EngineCounters()
         # Outputs of requests that ended since the last step() returned.
@@ -128,7 +129,14 @@ class Engine:
         if request.parent_id is None:
             if request.retain:
                 self.families.add_state(request.request_id)
-            self.scheduler.add(Sequence.from_request(request))
+            seq = Sequence.from_request(request)
+            if request.recovery is not None:
+                refusal = recovery_refusal(request.recovery.spec, request.tenant_salt, None)
+                if refusal is None:
+                    seq.recovery = request.recovery
+                else:
+                    seq.stats.recovery = {"refused": refusal}
+            self.scheduler.add(seq)
             return
         self.families.add_branch(request.parent_id, request.request_id)
         if request.parent_id in self._retained:
@@ -224,6 +232,8 @@ class Engine:
                 )
         elif not request.prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
+        if request.recovery is not None:
+            _check_recovery(request)
         n = len(request.prompt_ids)
         if n > self.config.max_position:
             raise InvalidRequestError(
@@ -329,3 +339,26 @@ class Engine:
             stats=seq.stats,
             logits=tuple(seq.output_logits) if seq.request.keep_logits else None,
         )
+
+
+def _check_recovery(request: Request) -> None:
+    recovery = request.recovery
+    assert recovery is not None
+    if request.parent_id is not None:
+        raise InvalidRequestError("a fork shares its parent's exact state: it takes no recovery")
+    end = 0
+    for span in recovery.spans:
+        if not end <= span.start < span.end <= len(request.prompt_ids):
+            raise InvalidRequestError(
+                f"recovery span [{span.start}, {span.end}) is empty, out of order or outside the "
+                f"prompt of {len(request.prompt_ids)} tokens"
+            )
+        end = span.end
+    round_ = recovery.spec.round
+    if round_ is not None:
+        if recovery.family is None:
+            raise InvalidRequestError("a recovery round needs a family (its rounds share state)")
+        named = {span.segment_id for span in recovery.spans}
+        missing = [i for i in round_.segments if i not in named]
+        if missing:
+            raise InvalidRequestError(f"the round names segment ids no span has: {missing}")

@@ -1,10 +1,12 @@
 """What a caller hands the engine, and what it gets back."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kmesh.errors import InvalidRequestError
+from kmesh.recovery.jobs import RecoveryRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,18 +50,26 @@ class Request:
     retain: bool = False
     # Return the logits each output token was sampled from (for measurements).
     keep_logits: bool = False
+    # Fill the prompt's rows after its prefix hit by recovery (segments, policy, round): see
+    # kmesh/recovery/requests.py. Approximate recovery needs an approximate tenant salt.
+    recovery: RecoveryRequest | None = None
 
 
 @dataclass(slots=True)
 class RequestStats:
     # For a fork: the parent's tokens plus the branch's own.
     prompt_tokens: int = 0
-    # Prompt tokens run through the model (counted again if preempted and recomputed).
+    # Prompt tokens run through the model (counted again if preempted and recomputed); rows
+    # filled by recovery are not (their cost is in `recovery`).
     computed_tokens: int = 0
     # Prompt tokens whose KV came from the prefix cache or, for a fork, from its parent.
     reused_tokens: int = 0
     # Prompt tokens whose KV was restored from the external store (kmesh store serve).
     restored_tokens: int = 0
+    # Prompt tokens whose KV recovery filled (Request.recovery).
+    recovered_tokens: int = 0
+    # With Request.recovery: its RecoveryReport (as a dict), or {"refused": why}.
+    recovery: dict[str, Any] | None = None
     output_tokens: int = 0
     # From submission to the first token, and to the end.
     first_token_seconds: float = 0.0

@@ -1,25 +1,33 @@
 """Run one scheduled batch through the executor over the paged KV cache."""
 
+from collections.abc import Sequence as Sequence_
+from dataclasses import asdict
+
 import torch
 
 from kmesh.compute.executor import Executor, SequenceInput
 from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
+from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.requests import RequestRecovery
 
 
 class ModelRunner:
-    def __init__(self, executor: Executor, cache: PagedKVCache) -> None:
+    def __init__(self, executor: Executor, cache: PagedKVCache, fingerprint: str) -> None:
         self.executor = executor
         self.cache = cache
+        self.recovery = RequestRecovery(executor, fingerprint)
 
     def step(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Do the batch's block copies, compute every sequence's pending tokens, store their KV.
+        """Do the batch's block copies, fill the rows recovery claims, compute every sequence's
+        pending tokens, store their KV.
 
         Returns the next-token logits after each sequence's last token, [len(batch.seqs), vocab].
         """
         for source, destination in batch.copies:
             self.cache.copy_block(source, destination)
+        self._recover([seq for seq in batch.seqs if seq.recovery is not None])
         shared = self._shared_prefixes(batch.seqs)
         inputs = []
         slots = []
@@ -51,6 +59,47 @@ class ModelRunner:
             seq.num_computed = len(seq.token_ids)
         return self.executor.logits(torch.stack([out.hidden[-1] for out in outputs]))
 
+    def _recover(self, seqs: list[Sequence]) -> None:
+        """Recovery claims every prompt row after the prefix hit but the last (which the step
+        then computes, giving the logits, as vLLM computes its last block); rows the gate left
+        alone are computed by the step."""
+        claims = []
+        for seq in seqs:
+            wanted, seq.recovery = seq.recovery, None
+            assert wanted is not None
+            if seq.num_computed >= seq.num_prompt - 1:
+                continue
+            claims.append(
+                (
+                    seq,
+                    RecoverTokens(
+                        seq.request.request_id,
+                        seq.token_ids[: seq.num_prompt],
+                        list(seq.block_table),
+                        seq.num_computed,
+                        seq.num_prompt - 1,
+                        seq.request.tenant_salt,
+                        list(wanted.spans),
+                        wanted.spec,
+                        wanted.family,
+                    ),
+                )
+            )
+        if not claims:
+            return
+        outcomes = self.recovery.run([job for _, job in claims], _CacheRows(self.cache))
+        for seq, job in claims:
+            outcome = outcomes[job.request_id]
+            seq.stats.recovery = asdict(outcome.report)
+            if outcome.k is None or outcome.v is None:
+                continue
+            slots = self.cache.slots(seq.block_table, job.start, job.end)
+            for layer in range(self.executor.config.num_layers):
+                self.cache.write(layer, slots, outcome.k[layer], outcome.v[layer])
+            seq.num_computed = job.end
+            seq.stats.computed_tokens -= job.end - job.start
+            seq.stats.recovered_tokens = job.end - job.start
+
     def _shared_prefixes(self, seqs: list[Sequence]) -> dict[int, tuple[PagedContext, int]]:
         """For sequences that hold the same physical leading blocks (forks of one trunk, prefix
         cache hits on one prefix): one context over those blocks, and its length in tokens."""
@@ -72,3 +121,17 @@ class ModelRunner:
             for seq in group:
                 shared[id(seq)] = (prefix, num_blocks * bs)
         return shared
+
+
+class _CacheRows:
+    """The paged cache as recovery's PrefixReader."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+
+    def read(
+        self, block_ids: Sequence_[int], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.cache.block_size
+        slots = torch.tensor(block_ids, dtype=torch.long)[positions // bs] * bs + positions % bs
+        return self.cache.k[:, slots], self.cache.v[:, slots]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kmesh.engine.request import Request, RequestStats
+from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.state.keys import BlockHash
 
 
@@ -42,6 +43,8 @@ class Sequence:
     # Next-token logits after the last token, kept while retained (forks sample from them).
     held_logits: torch.Tensor | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    # Recovery still to run on the prompt (taken by the runner at its first prefill).
+    recovery: RecoveryRequest | None = None
     generator: torch.Generator | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
 

@@ -40,7 +40,7 @@ class RecoveryConfig:
     gate: float | None = None  # mean relative deviation above which a region is recomputed
     seed: int = 0
     # A gated region is recomputed here in full; without, it is left alone (fell_back, k/v not
-    # filled) for the caller's own fallback (vLLM's ordinary prefill, kmesh/vllm/recovery.py).
+    # filled) for the caller's own fallback (vLLM's ordinary prefill, kmesh/recovery/requests.py).
     recompute_on_gate: bool = True
 
     def __post_init__(self) -> None:

@@ -7,6 +7,8 @@ request's new tokens to the asyncio task waiting for them (one asyncio queue per
 A request's `kmesh.family` is accepted and echoed; on this engine the family's trunk is shared
 through the local prefix cache (and the store, with `--store`) like any common prefix, and
 `branches` / `close` have no effect: the reference engine does not pin store entries for a family.
+`kmesh.recovery` with `kmesh.segments` (a round, a policy) is served as vLLM's connector serves
+it (kmesh/recovery/requests.py), with the same stats under `recovery`.
 """
 
 import asyncio
@@ -24,11 +26,19 @@ from kmesh.compute.loader import LoadedModel, load_model
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
 from kmesh.errors import KMeshError
+from kmesh.recovery.jobs import RecoveryRequest, spans_of
 from kmesh.serve.backend import Delta, GenerationJob
+from kmesh.state.request_meta import segment_spans
 
 logger = logging.getLogger(__name__)
 
-STAT_NAMES = ("prompt_tokens", "computed_tokens", "reused_tokens", "restored_tokens")
+STAT_NAMES = (
+    "prompt_tokens",
+    "computed_tokens",
+    "reused_tokens",
+    "restored_tokens",
+    "recovered_tokens",
+)
 
 # What the engine thread hands a request's task: a delta, or the error that ended it.
 Post = Callable[[Delta | BaseException], None]
@@ -89,7 +99,13 @@ class ReferenceBackend:
             max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed
         )
         request_id = f"serve-{next(self._request_ids)}"
-        request = Request(request_id, job.prompt_ids, params, tenant_salt=job.cache_salt)
+        request = Request(
+            request_id,
+            job.prompt_ids,
+            params,
+            tenant_salt=job.cache_salt,
+            recovery=self._recovery(job),
+        )
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
 
@@ -113,6 +129,14 @@ class ReferenceBackend:
             yield item
             if item.finish_reason is not None:
                 return
+
+    def _recovery(self, job: GenerationJob) -> RecoveryRequest | None:
+        """The job's recovery over its segments (serve/jobs.py made its prompt from them)."""
+        kmesh = job.kmesh
+        if kmesh is None or kmesh.recovery is None or kmesh.segments is None:
+            return None
+        _, spans = segment_spans(self.tokenizer, kmesh)
+        return RecoveryRequest(tuple(spans_of(kmesh, spans)), kmesh.recovery, kmesh.family)
 
     def _run(self) -> None:
         live: dict[str, _Live] = {}
@@ -167,5 +191,7 @@ class ReferenceBackend:
 
 
 def _last_delta(output: RequestOutput, num_sent: int) -> Delta:
-    stats = {name: getattr(output.stats, name) for name in STAT_NAMES}
+    stats: dict[str, Any] = {name: getattr(output.stats, name) for name in STAT_NAMES}
+    if output.stats.recovery is not None:
+        stats["recovery"] = output.stats.recovery
     return Delta(output.output_ids[num_sent:], output.finish_reason, stats)

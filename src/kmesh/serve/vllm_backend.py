@@ -86,4 +86,5 @@ def _stats(output: Any, num_prompt: int) -> dict[str, Any]:
         "computed_tokens": num_prompt - reused,
         "reused_tokens": reused,
         "restored_tokens": 0,
+        "recovered_tokens": 0,
     }

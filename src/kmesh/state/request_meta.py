@@ -14,7 +14,7 @@ or when `branches` requests of it have finished on that engine (each engine coun
 when the engine stops.
 
 `recovery` asks KMeshConnector to fill the prompt's blocks after vLLM's local prefix hit itself
-(kmesh/vllm/recovery.py), e.g. an All-Gather sibling:
+(kmesh/recovery/requests.py), e.g. an All-Gather sibling:
 
     {"family": "council",
      "segments": [..., {"token_ids": [...], "role": "shared", "id": "out-0-3"}, ...],
@@ -70,14 +70,14 @@ class RoundSpec(BaseModel):
 
 
 class RecoverySpec(BaseModel):
-    """Recovery inside vLLM: KMeshConnector claims the prompt's full blocks after vLLM's local
-    prefix hit and fills them itself (kmesh/vllm/recovery.py). Policy "full" recomputes every
-    claimed token with KMesh's executor on vLLM's weights (exact up to float rounding); the other
-    policies reuse stored segment KV, re-rotated, and recompute `ratio` of it: approximate, so they
-    need a cache_salt starting with APPROX_SALT_PREFIX (vLLM's prefix cache then keeps their blocks
-    apart from exact requests). A region whose check-layer key deviation exceeds `gate` is left
-    to vLLM's ordinary prefill. The reference engine computes the whole prompt anyway: there it
-    changes nothing."""
+    """Recovery of the prompt's rows after the engine's local prefix hit (kmesh/recovery/
+    requests.py, the same in both engines): vLLM's KMeshConnector claims the full blocks after the
+    hit, the reference engine every row but the last, and KMesh's executor fills them (on vLLM's
+    own weights inside vLLM). Policy "full" recomputes every claimed token (exact up to float
+    rounding); the other policies, and every round, reuse stored segment KV or the round's master,
+    re-rotated, and recompute `ratio` of it: approximate, so they need a cache_salt starting with
+    APPROX_SALT_PREFIX (the prefix cache then keeps their blocks apart from exact requests). A
+    region whose check-layer key deviation exceeds `gate` is left to the engine's own prefill."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -126,6 +126,20 @@ class KMeshParams(BaseModel):
         if self.segments is None or any(s.text is None for s in self.segments):
             return None
         return "".join(s.text or "" for s in self.segments)
+
+
+def recovery_refusal(spec: RecoverySpec, cache_salt: str | None, adapter: str | None) -> str | None:
+    """Why a request's recovery is refused (it is then computed exactly), or None. Both engines:
+    recovery runs base-model layers only, and approximate KV lives only under an approximate salt
+    (the prefix cache files blocks under the salt, so it never reaches an exact request)."""
+    if adapter is not None:
+        return "recovery serves base-model requests only (this one has a LoRA adapter)"
+    if spec.approximate and not (cache_salt or "").startswith(APPROX_SALT_PREFIX):
+        return (
+            f"approximate recovery needs a cache_salt starting with {APPROX_SALT_PREFIX!r} "
+            "(so its blocks stay out of exact requests' prefix hits); computed exactly instead"
+        )
+    return None
 
 
 def with_separated_segments(params: KMeshParams, prompt: str | None) -> KMeshParams:

@@ -22,10 +22,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
+from kmesh.recovery.requests import RequestRecovery
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
-from kmesh.vllm.recovery import WorkerRecovery
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -64,7 +64,7 @@ class KMeshConnector(KVConnectorBase_V1):
         self._worker_side.load(self._metadata)
         self._worker_side.recover(self._metadata, forward_context.no_compile_layers)
 
-    def attach_recovery(self, recovery: WorkerRecovery) -> None:
+    def attach_recovery(self, recovery: RequestRecovery) -> None:
         """Called by the worker extension (kmesh_attach) with an executor on vLLM's model."""
         self._worker_side.attach_recovery(recovery)
 

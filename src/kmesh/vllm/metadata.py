@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.store import Hit
 
 # (tenant salt, key): entries are filed per tenant in the store.
@@ -35,43 +35,6 @@ class SaveBlock:
     block_id: int
     key: bytes
     segment: str  # reserved by the scheduler side
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentSpan:
-    start: int  # [start, end) in the prompt's token ids
-    end: int
-    role: str  # shared | private | instruction
-    segment_id: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RecoverTokens:
-    """Fill the request's rows [start, end) by recovery (kmesh/vllm/recovery.py); vLLM
-    computes the rest of the prompt after them."""
-
-    request_id: str
-    token_ids: list[int]  # the whole prompt
-    block_ids: list[int]
-    start: int  # vLLM's local prefix hit: rows [0, start) are exact KV already in the pages
-    end: int
-    tenant: str | None  # cache_salt: the namespace of the stored segment KV
-    spans: list[SegmentSpan]  # the prompt's segments (empty without segments)
-    spec: RecoverySpec
-    family: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveryReport:
-    """What recovering one request cost and how far it was from exact."""
-
-    computed_tokens: float  # token-layers / layers, by KMesh's executor for this request
-    shared_computed_tokens: float  # a round's master, paid by the sibling that built it
-    master_bytes: int  # the size of the master this request built (kept by the worker), else 0
-    mirror_bytes: int  # its mirrors: indices + the block-sparse diff against the master
-    reused_tokens: int  # claimed tokens whose KV came from stored segment KV (re-rotated)
-    deviation: float | None  # mean relative key deviation at the check layer, if computed
-    fell_back: bool  # the gate sent the claimed tokens back to vLLM's prefill
 
 
 @dataclass

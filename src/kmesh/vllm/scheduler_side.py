@@ -13,7 +13,7 @@ Every store failure falls back to vLLM computing the tokens itself.
 
 A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec)
 skips the store: its full blocks after the local hit are claimed and filled by the worker half
-(kmesh/vllm/recovery.py), which reports what it computed; blocks it could not fill (the quality
+(kmesh/recovery/requests.py), which reports what it computed; blocks it could not fill (the quality
 gate, no model attached) come back as load errors and vLLM computes them. Recovery is refused
 (vLLM computes the prompt as usual) for LoRA requests, and an approximate one without a cache_salt
 starting with APPROX_SALT_PREFIX, so approximate KV never enters another request's prefix hits.
@@ -31,13 +31,13 @@ from typing import Any
 
 from kmesh.compute.loader import fingerprint_files
 from kmesh.errors import KMeshError
+from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan, spans_of
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_block_keys
 from kmesh.state.request_meta import (
-    APPROX_SALT_PREFIX,
     KMESH_PARAMS_KEY,
     KMeshParams,
-    RecoverySpec,
     parse_kmesh_params,
+    recovery_refusal,
     segment_spans,
 )
 from kmesh.store import (
@@ -50,15 +50,7 @@ from kmesh.store import (
 )
 from kmesh.store.client import encode_meta
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import (
-    KMeshConnectorMetadata,
-    LoadBlock,
-    RecoverTokens,
-    RecoveryReport,
-    SaveBlock,
-    SegmentSpan,
-    TenantKey,
-)
+from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock, TenantKey
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +124,12 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         loadable = (request.num_prompt_tokens - 1) // self.block_size
         if tracked.params is not None and tracked.params.recovery is not None:
-            refusal = self._recovery_refusal(request, tracked.params.recovery)
+            lora = request.lora_request
+            refusal = recovery_refusal(
+                tracked.params.recovery,
+                request.cache_salt,
+                None if lora is None else lora.lora_name,
+            )
             if refusal is None:
                 tracked.recovering = True
                 return max(0, loadable - first) * self.block_size, False
@@ -325,18 +322,6 @@ class SchedulerSide:
         self._requests[request.request_id] = tracked
         return tracked
 
-    def _recovery_refusal(self, request: Any, spec: RecoverySpec) -> str | None:
-        """Why recovery is not done for this request (vLLM then computes it), or None."""
-        if request.lora_request is not None:
-            return "recovery serves base-model requests only (this one has a LoRA adapter)"
-        salt = request.cache_salt or ""
-        if spec.approximate and not salt.startswith(APPROX_SALT_PREFIX):
-            return (
-                f"approximate recovery needs a cache_salt starting with {APPROX_SALT_PREFIX!r} "
-                "(so its blocks stay out of exact requests' prefix hits); computed exactly instead"
-            )
-        return None
-
     def _spans(self, request: Any, params: KMeshParams) -> list[SegmentSpan]:
         """The segments' token ranges, if they spell the prompt; else none (all computed)."""
         if params.separator is not None:
@@ -355,10 +340,7 @@ class SchedulerSide:
                 request.request_id,
             )
             return []
-        return [
-            SegmentSpan(start, end, segment.role, segment.id)
-            for segment, (start, end) in zip(params.segments, spans, strict=True)
-        ]
+        return spans_of(params, spans)
 
     def _trunk_blocks(
         self, params: KMeshParams | None, spans: list[SegmentSpan], num_blocks: int

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.compute.config import ModelConfig
+from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RequestRecovery
 from kmesh.vllm.model_bridge import executor_of_vllm_model
-from kmesh.vllm.recovery import DEFAULT_RECOVERY_BYTES, WorkerRecovery
 from kmesh.vllm.scheduler_side import model_fingerprint
 
 
@@ -39,5 +39,5 @@ class KMeshWorkerExtension:
         executor = executor_of_vllm_model(self.model_runner.get_model(), config)
         transfer = self.vllm_config.kv_transfer_config
         limit = int(transfer.get_from_extra_config("recovery_bytes", DEFAULT_RECOVERY_BYTES))
-        attach(WorkerRecovery(executor, model_fingerprint(path), limit))
+        attach(RequestRecovery(executor, model_fingerprint(path), limit))
         return config.num_layers

@@ -1,12 +1,14 @@
 """The connector's worker half: copies whole blocks between the store's shared memory and
-vLLM's paged KV cache, and fills the rows of recovered tokens (kmesh/vllm/recovery.py). It never
+vLLM's paged KV cache, and fills the rows of recovered tokens (kmesh/recovery/requests.py). It never
 claims or commits; see metadata.py.
 
 Recovery runs KMesh's layerwise executor on vLLM's own loaded model. vLLM hands a connector no
 model, so it is attached from outside: the worker extension (kmesh/vllm/worker_extension.py,
 vLLM's `worker_extension_cls`) passes the worker's model in when the caller runs
 `collective_rpc("kmesh_attach")` (kmesh.vllm.config.attach does). Until then, or when recovery
-fails, the claimed blocks are reported as load errors and vLLM computes them itself.
+fails, the claimed blocks are reported as load errors and vLLM computes them itself. Recovery runs
+on CPU in the KV cache's dtype, float32 or bfloat16 (the engine's `dtype`); another platform or
+dtype is refused the same way.
 """
 
 import logging
@@ -16,27 +18,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
+from kmesh.recovery.requests import RequestRecovery
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.client import encode_meta, write_segment
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import (
-    KMeshConnectorMetadata,
-    KMeshWorkerMetadata,
-    RecoverTokens,
-    RecoveryReport,
-    TenantKey,
-)
+from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
 from kmesh.vllm.pages import Pages
-from kmesh.vllm.recovery import WorkerRecovery
 
 log = logging.getLogger(__name__)
+
+# KV cache dtypes recovery runs in (the executor computes in the cache's dtype).
+RECOVERABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class WorkerSide:
     def __init__(self, store: str | None, layout: BlockLayout) -> None:
         self.store = store
         self.layout = layout
-        self._recovery: WorkerRecovery | None = None  # set by attach_recovery
+        self._recovery: RequestRecovery | None = None  # set by attach_recovery
         self._pages: Pages | None = None
         self.meta = layout.meta
         self.meta_bytes = encode_meta(layout.meta)
@@ -82,7 +82,7 @@ class WorkerSide:
                 )
                 self._load_errors.add(load.block_id)
 
-    def attach_recovery(self, recovery: WorkerRecovery) -> None:
+    def attach_recovery(self, recovery: RequestRecovery) -> None:
         self._recovery = recovery
 
     def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:
@@ -99,11 +99,7 @@ class WorkerSide:
                     "no model attached for recovery: run collective_rpc('kmesh_attach') "
                     "(kmesh.vllm.config.attach) after starting the engine"
                 )
-            if self.layout.platform != "cpu" or self.layout.dtype != torch.float32:
-                raise RuntimeError(
-                    "recovery inside vLLM runs on CPU with a float32 KV cache only so far; "
-                    f"this engine is {self.layout.platform} / {self.layout.dtype}"
-                )
+            self._check_recoverable(self._recovery.executor.dtype)
             outcomes = self._recovery.run(jobs, pages)
         except Exception as error:  # recovery must never take the engine down: vLLM computes
             log.warning("kmesh: recovery failed, vLLM computes the claimed tokens: %s", error)
@@ -118,6 +114,21 @@ class WorkerSide:
                 continue
             positions = torch.arange(job.start, job.end)
             pages.write(job.block_ids, positions, outcome.k, outcome.v, attention_layers)
+
+    def _check_recoverable(self, executor_dtype: torch.dtype) -> None:
+        """Raise unless recovery can fill this engine's cache: vLLM's CPU page layout (the only
+        one pages.py knows), a float32 or bfloat16 cache, and an executor in the cache's dtype
+        (its KV is written as it is computed)."""
+        layout = self.layout
+        if layout.platform != "cpu" or layout.dtype not in RECOVERABLE_DTYPES:
+            raise RuntimeError(
+                "recovery inside vLLM runs on CPU with a float32 or bfloat16 KV cache only so "
+                f"far; this engine is {layout.platform} / {layout.dtype}"
+            )
+        if executor_dtype != layout.dtype:
+            raise RuntimeError(
+                f"the attached model runs in {executor_dtype}, the KV cache is {layout.dtype}"
+            )
 
     def save(self, metadata: KMeshConnectorMetadata) -> None:
         """Copy the blocks computed this step into the segments the store reserved for them."""

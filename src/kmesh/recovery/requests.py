@@ -1,9 +1,11 @@
-"""Recovery inside vLLM's worker: fill a request's claimed rows with recovered KV.
+"""Recovery of the requests that ask for it: fill a request's claimed rows with recovered KV.
 
-The scheduler half claims a request's full blocks after vLLM's local prefix hit ([start, end));
-here they are filled before vLLM's forward pass, which then computes the rest of the prompt
-against them. The exact prefix [0, start) is read back from vLLM's own pages (kmesh/vllm/pages.py);
-the region [start, end) goes through kmesh.recovery:
+Both engines hand their jobs (kmesh/recovery/jobs.py) here: vLLM's connector claims a request's
+full blocks after vLLM's local prefix hit ([start, end)) and its worker half runs this before
+vLLM's forward pass; the reference engine's runner claims every prompt row after its prefix hit but
+the last. The engine then computes the rest of the prompt against the filled rows. The exact
+prefix [0, start) is read back from the engine's pages (a PrefixReader: kmesh/vllm/pages.py,
+kmesh/kv/kv_cache.py); the region [start, end) goes through kmesh.recovery:
 
 - per request (no round): each shared segment in the region whose KV is stored (keyed by tenant
   and tokens) is re-rotated to its positions and reused; the policy recomputes `ratio` of it
@@ -11,16 +13,17 @@ the region [start, end) goes through kmesh.recovery:
   segment covers are computed. A shared segment this request computed in full is stored (its KV
   in this request's context, keys turned to canonical positions): later readers reuse it. One that
   crosses into the block vLLM computes is computed whole here for that (its tail twice).
-- collective (a declared round): the round's output segments are recovered once, after the
-  family's common context (its leading shared segments, then every earlier round's master), at
-  the round's shared_ratio (1.0: computed in full), and kept as the round's dense master
-  (kv/master_mirror.py). Each sibling places the master's segments at its own positions in its
-  own order (mirrors: one gather + one RoPE call per contiguous run), the policy recomputes
-  `ratio` of them, and its other tokens are computed. Siblings of a round in one step are
-  recovered in one batch.
+- collective (a declared round, kmesh/recovery/collective.py): the round's master is its first
+  sibling's own exact KV of the round's output segments (or, with `master: "common"`, the outputs
+  recovered once after the family's common context: its leading shared segments, then every
+  earlier round's master), kept by this object. Each other sibling places the master's segments
+  at its own positions in its own order (mirrors), the policy recomputes `ratio` of the placed
+  blocks, and its other tokens are computed. Siblings of a round in one step are recovered in one
+  batch.
 
-The gate: a region whose mean check-layer key deviation exceeds `gate` is not written; its blocks
-are reported as load errors and vLLM's ordinary prefill recomputes them (the safe fallback).
+The gate: a region whose mean check-layer key deviation exceeds `gate` is not written (Outcome k
+and v None); the engine computes those rows itself (vLLM: reported as load errors, recomputed by
+its ordinary prefill), the safe fallback.
 
 What the worker keeps (stored segments, masters, common contexts) is bounded by `max_bytes`, least
 recently used dropped first: a dropped segment is computed again by its next reader, a dropped
@@ -31,7 +34,7 @@ leading shared segments.
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -46,10 +49,9 @@ from kmesh.recovery.collective import (
     master_in_common,
     recover_round,
 )
+from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
-from kmesh.vllm.metadata import RecoverTokens, RecoveryReport, SegmentSpan
-from kmesh.vllm.pages import Pages
 
 # Contexts under which segment KV is filed in the index.
 FIRST_READER = "first-reader"
@@ -93,8 +95,18 @@ class Outcome:
     v: torch.Tensor | None
 
 
-class WorkerRecovery:
-    """Holds the executor, the stored segment KV and the rounds' masters of one vLLM worker."""
+class PrefixReader(Protocol):
+    """An engine's pages: the exact KV of a request's rows."""
+
+    def read(
+        self, block_ids: Sequence[int], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, n, kv_heads, head_dim] of the request's rows at `positions` [n]."""
+        ...
+
+
+class RequestRecovery:
+    """Holds the executor, the stored segment KV and the rounds' masters of one engine."""
 
     def __init__(
         self, executor: Executor, fingerprint: str, max_bytes: int = DEFAULT_RECOVERY_BYTES
@@ -106,7 +118,7 @@ class WorkerRecovery:
         self._commons: dict[tuple[str | None, str], CommonContext] = {}
         self._masters: dict[_Key, Master] = {}
 
-    def run(self, jobs: Sequence[RecoverTokens], pages: Pages) -> dict[str, Outcome]:
+    def run(self, jobs: Sequence[RecoverTokens], pages: PrefixReader) -> dict[str, Outcome]:
         """Recover one step's jobs: per-request ones in order (each may store segments the next
         reuses), each round's siblings together."""
         outcomes: dict[str, Outcome] = {}
@@ -123,7 +135,7 @@ class WorkerRecovery:
 
     # -- per request -----------------------------------------------------------------------
 
-    def _per_request(self, job: RecoverTokens, pages: Pages) -> Outcome:
+    def _per_request(self, job: RecoverTokens, pages: PrefixReader) -> Outcome:
         end = self._storing_end(job)
         region = self._region(job, pages, self._stored_segments(job), end)
         recovered = recover(self.executor, [region], self._config(job))[0]
@@ -183,7 +195,9 @@ class WorkerRecovery:
 
     # -- collective ------------------------------------------------------------------------
 
-    def _round(self, key: _Key, jobs: list[RecoverTokens], pages: Pages) -> dict[str, Outcome]:
+    def _round(
+        self, key: _Key, jobs: list[RecoverTokens], pages: PrefixReader
+    ) -> dict[str, Outcome]:
         """A round's siblings of this step through kmesh.recovery.collective; without a kept
         master, the first is the master sibling ("sibling" choice) or the master is recovered in
         the family's common context first ("common")."""
@@ -221,7 +235,7 @@ class WorkerRecovery:
             outcomes[job.request_id] = Outcome(report, k, v)
         return outcomes
 
-    def _sibling(self, job: RecoverTokens, pages: Pages, holds_master: bool) -> SiblingInput:
+    def _sibling(self, job: RecoverTokens, pages: PrefixReader, holds_master: bool) -> SiblingInput:
         """The job as a round sibling: its claimed rows (a master sibling's to the end of the
         round's last segment, which may lie in the block vLLM computes: those tokens are computed
         twice), its exact prefix read back from vLLM's pages."""
@@ -290,7 +304,7 @@ class WorkerRecovery:
     def _region(
         self,
         job: RecoverTokens,
-        pages: Pages,
+        pages: PrefixReader,
         reused: dict[int, tuple[torch.Tensor, torch.Tensor]],
         end: int | None = None,
     ) -> RegionInput:
@@ -322,7 +336,7 @@ class WorkerRecovery:
             segment,
         )
 
-    def _prefix(self, job: RecoverTokens, pages: Pages) -> DenseKV | None:
+    def _prefix(self, job: RecoverTokens, pages: PrefixReader) -> DenseKV | None:
         """The exact KV of rows [0, start), read back from vLLM's pages."""
         if job.start == 0:
             return None

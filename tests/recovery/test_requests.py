@@ -1,4 +1,4 @@
-"""Recovery inside vLLM's worker (kmesh/vllm/recovery.py) on a tiny random model, with the
+"""Recovery of requests (kmesh/recovery/requests.py) on a tiny random model, with the
 request's exact prefix served from stand-in pages: per-request reuse of stored segment KV,
 collective rounds, the gate, tenants."""
 
@@ -7,10 +7,10 @@ import torch
 
 from kmesh.compute.executor import SequenceInput
 from kmesh.compute.tiny import tiny_executor
+from kmesh.recovery.jobs import RecoverTokens, SegmentSpan
+from kmesh.recovery.requests import RequestRecovery
 from kmesh.recovery.rerotate import rerotate_keys
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
-from kmesh.vllm.metadata import RecoverTokens, SegmentSpan
-from kmesh.vllm.recovery import WorkerRecovery
 
 SALT = "kmesh-approx:test"
 BLOCK = 4
@@ -72,7 +72,7 @@ NONE = RecoverySpec(policy="none", gate=None)
 
 def test_the_first_reader_computes_its_region_exactly_and_stores_its_shared_segments(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     ids, spans = prompt("ab")
     outcome, pages, work = run(recovery, executor, ids, spans, NONE)
     assert outcome.report.reused_tokens == 0
@@ -85,7 +85,7 @@ def test_the_first_reader_computes_its_region_exactly_and_stores_its_shared_segm
 
 def test_a_later_reader_reuses_stored_segments_rerotated_to_its_positions(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     first_ids, first_spans = prompt("ab")
     _, first_pages, _ = run(recovery, executor, first_ids, first_spans, NONE)
     ids, spans = prompt("ba", private="y")
@@ -107,7 +107,7 @@ def test_a_later_reader_reuses_stored_segments_rerotated_to_its_positions(model)
 
 def test_a_segment_crossing_into_vllms_block_is_computed_whole_by_its_first_reader(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     ids, spans = prompt(
         "ab", private="y", ask=[60]
     )  # 27 tokens: b is [18, 26), the claim ends at 24
@@ -122,7 +122,7 @@ def test_a_segment_crossing_into_vllms_block_is_computed_whole_by_its_first_read
 
 def test_policy_full_recomputes_reused_segments_exactly(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     run(recovery, executor, *prompt("ab"), NONE)
     ids, spans = prompt("ba", private="y")
     outcome, pages, work = run(recovery, executor, ids, spans, RecoverySpec(policy="full"))
@@ -132,7 +132,7 @@ def test_policy_full_recomputes_reused_segments_exactly(model):
 
 def test_the_gate_leaves_a_deviating_region_to_vllm(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     run(recovery, executor, *prompt("ab"), NONE)
     ids, spans = prompt("ba", private="y")
     spec = RecoverySpec(policy="none", gate=0.0)
@@ -143,7 +143,7 @@ def test_the_gate_leaves_a_deviating_region_to_vllm(model):
 
 def test_stored_segments_never_cross_tenants(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     run(recovery, executor, *prompt("ab"), NONE)
     ids, spans = prompt("ba", private="y")
     outcome, _, _ = run(recovery, executor, ids, spans, NONE, tenant="kmesh-approx:other")
@@ -153,7 +153,7 @@ def test_stored_segments_never_cross_tenants(model):
 @pytest.mark.parametrize("master", ["sibling", "common"])
 def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, master):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     round_ = RoundSpec(id="r1", segments=["a", "b"], master=master)
     spec = RecoverySpec(policy="none", gate=None, round=round_)
     siblings = [prompt("ab"), prompt("ba", private="y")]
@@ -197,7 +197,7 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, ma
 
 def test_a_master_sibling_computes_a_round_segment_reaching_into_vllms_block_whole(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint)
+    recovery = RequestRecovery(executor, fingerprint)
     spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["a", "b"]))
     ids, spans = prompt("ab", private="y", ask=[60])  # b ends in the block vLLM computes
     work = job(ids, spans, spec, family="f")
@@ -211,7 +211,7 @@ def test_kept_state_stays_within_its_bound_least_recently_used_dropped_first(mod
     executor, fingerprint = model
     config = executor.config
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
-    recovery = WorkerRecovery(executor, fingerprint, max_bytes=len(A) * per_token)  # one segment
+    recovery = RequestRecovery(executor, fingerprint, max_bytes=len(A) * per_token)  # one segment
     run(recovery, executor, *prompt("ab"), NONE)  # stores a, then b (a is dropped)
     assert recovery.ledger.total <= len(A) * per_token
     ids, spans = prompt("ba", private="y")
@@ -221,7 +221,7 @@ def test_kept_state_stays_within_its_bound_least_recently_used_dropped_first(mod
 
 def test_a_dropped_master_is_built_again_by_the_rounds_next_sibling(model):
     executor, fingerprint = model
-    recovery = WorkerRecovery(executor, fingerprint, max_bytes=1)  # keeps only the latest item
+    recovery = RequestRecovery(executor, fingerprint, max_bytes=1)  # keeps only the latest item
 
     def sibling(round_id: str, request_id: str):
         spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id=round_id, segments=["a"]))

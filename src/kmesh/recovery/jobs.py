@@ -1,0 +1,67 @@
+"""What a request asks of recovery, and what recovery reports: the same in both engines.
+
+A request that declares segments and a RecoverySpec (kmesh.state.request_meta) is handed to
+kmesh.recovery.requests.RequestRecovery as a RecoverTokens job: fill its rows [start, end) after
+its exact prefix (vLLM's local prefix hit, or the reference engine's). vLLM's connector builds the
+job in its scheduler half and runs it in its worker half; the reference engine builds and runs it
+in its runner.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kmesh.state.request_meta import KMeshParams, RecoverySpec
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSpan:
+    start: int  # [start, end) in the prompt's token ids
+    end: int
+    role: str  # shared | private | instruction
+    segment_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverTokens:
+    """Fill the request's rows [start, end) by recovery (kmesh/recovery/requests.py); the
+    engine computes the rest of the prompt after them."""
+
+    request_id: str
+    token_ids: list[int]  # the whole prompt
+    block_ids: list[int]
+    start: int  # the local prefix hit: rows [0, start) are exact KV already in the pages
+    end: int
+    tenant: str | None  # cache_salt: the namespace of the stored segment KV
+    spans: list[SegmentSpan]  # the prompt's segments (empty without segments)
+    spec: RecoverySpec
+    family: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    """What recovering one request cost and how far it was from exact."""
+
+    computed_tokens: float  # token-layers / layers, by KMesh's executor for this request
+    shared_computed_tokens: float  # a round's master, paid by the sibling that built it
+    master_bytes: int  # the size of the master this request built (kept by the worker), else 0
+    mirror_bytes: int  # its mirrors: indices + the block-sparse diff against the master
+    reused_tokens: int  # claimed tokens whose KV came from stored segment KV (re-rotated)
+    deviation: float | None  # mean relative key deviation at the check layer, if computed
+    fell_back: bool  # the gate sent the claimed tokens back to the engine's own prefill
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryRequest:
+    """What a request declares for recovery (the reference engine's Request.recovery)."""
+
+    spans: tuple[SegmentSpan, ...]  # its segments, spelling its prompt
+    spec: RecoverySpec
+    family: str | None
+
+
+def spans_of(params: KMeshParams, spans: Sequence[tuple[int, int]]) -> list[SegmentSpan]:
+    """The caller's segments at their token ranges (kmesh.state.request_meta.segment_spans)."""
+    return [
+        SegmentSpan(start, end, segment.role, segment.id)
+        for segment, (start, end) in zip(params.segments or [], spans, strict=True)
+    ]

@@ -1,0 +1,123 @@
+"""Recovery inside the reference engine (Request.recovery): what is engine-specific. The round
+mechanism itself is tested once, for both engines, in tests/recovery/test_collective.py and
+tests/recovery/test_requests.py."""
+
+import pytest
+
+from kmesh.engine.request import Request, SamplingParams
+from kmesh.errors import InvalidRequestError
+from kmesh.recovery.jobs import RecoveryRequest, SegmentSpan
+from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from tests.conftest import random_tokens
+
+GREEDY = SamplingParams(max_tokens=8)
+SALT = "kmesh-approx:test"
+SYSTEM = random_tokens(20, seed=1)
+OUTPUTS = {"a": random_tokens(24, seed=2), "b": random_tokens(30, seed=3)}
+ASK = random_tokens(5, seed=4)
+PRIVATE = {0: random_tokens(6, seed=5), 1: random_tokens(11, seed=6), 2: random_tokens(3, seed=7)}
+
+
+def sibling(agent: int, order: str, spec: RecoverySpec, salt: str | None = SALT) -> Request:
+    parts = [("system", "shared", SYSTEM), (f"p{agent}", "private", PRIVATE[agent])]
+    parts += [(name, "shared", OUTPUTS[name]) for name in order]
+    parts.append(("ask", "instruction", ASK))
+    ids: list[int] = []
+    spans = []
+    for name, role, tokens in parts:
+        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, name))
+        ids.extend(tokens)
+    recovery = RecoveryRequest(tuple(spans), spec, "council")
+    return Request(f"agent-{agent}", tuple(ids), GREEDY, salt, recovery=recovery)
+
+
+def plain(request: Request, salt: str | None = None) -> Request:
+    return Request(request.request_id, request.prompt_ids, GREEDY, salt)
+
+
+ROUND = RoundSpec(id="r1", segments=["a", "b"])
+
+
+def test_policy_full_gives_the_engines_own_greedy_tokens(make_tiny_engine):
+    spec = RecoverySpec(policy="full")
+    requests = [sibling(0, "ab", spec, salt=None), sibling(1, "ba", spec, salt=None)]
+    recovered = make_tiny_engine().generate(requests)
+    exact = make_tiny_engine().generate([plain(r) for r in requests])
+    for got, want in zip(recovered, exact, strict=True):
+        assert got.output_ids == want.output_ids
+        report = got.stats.recovery
+        assert report is not None and "refused" not in report
+        # Every prompt row but the last is filled by recovery; the engine computes the last.
+        assert report["computed_tokens"] == len(got.prompt_ids) - 1
+        assert got.stats.computed_tokens == 1
+
+
+def test_a_round_is_recovered_once_and_mirrored_into_every_sibling(make_tiny_engine):
+    engine = make_tiny_engine()
+    spec = RecoverySpec(policy="none", gate=None, round=ROUND)
+    outs = engine.generate([sibling(0, "ab", spec), sibling(1, "ba", spec), sibling(2, "ba", spec)])
+    first, *others = (o.stats.recovery for o in outs)
+    assert first is not None and first["master_bytes"] > 0 and first["reused_tokens"] == 0
+    for out, report in zip(outs[1:], others, strict=True):
+        assert report is not None and report["master_bytes"] == 0
+        assert report["reused_tokens"] == len(OUTPUTS["a"]) + len(OUTPUTS["b"])
+        # Only the sibling's own tokens are computed (all but the last, which the engine does).
+        assert report["computed_tokens"] == len(out.prompt_ids) - 1 - report["reused_tokens"]
+
+
+def test_approximate_recovery_without_an_approximate_salt_is_refused_and_exact(make_tiny_engine):
+    spec = RecoverySpec(policy="none", gate=None, round=ROUND)
+    requests = [sibling(0, "ab", spec, salt=None), sibling(1, "ba", spec, salt=None)]
+    outs = make_tiny_engine().generate(requests)
+    exact = make_tiny_engine().generate([plain(r) for r in requests])
+    for got, want in zip(outs, exact, strict=True):
+        assert got.stats.recovery is not None and "refused" in got.stats.recovery
+        assert got.output_ids == want.output_ids
+
+
+def test_approximate_blocks_never_reach_an_exact_request(make_tiny_engine):
+    engine = make_tiny_engine()
+    spec = RecoverySpec(policy="none", gate=None, round=ROUND)
+    engine.generate([sibling(0, "ab", spec), sibling(1, "ba", spec)])
+    again = engine.generate([plain(sibling(1, "ba", spec), salt=None)])[0]
+    assert again.stats.reused_tokens == 0
+    assert (
+        again.output_ids
+        == make_tiny_engine().generate([plain(sibling(1, "ba", spec))])[0].output_ids
+    )
+
+
+def test_the_gate_leaves_a_deviating_sibling_to_the_engines_prefill(make_tiny_engine):
+    spec = RecoverySpec(policy="none", gate=0.0, round=ROUND)
+    requests = [sibling(0, "ab", spec), sibling(1, "ba", spec)]
+    outs = make_tiny_engine().generate(requests)
+    report = outs[1].stats.recovery
+    assert report is not None and report["fell_back"]
+    assert outs[1].stats.computed_tokens == len(outs[1].prompt_ids)
+    exact = make_tiny_engine().generate([plain(r) for r in requests])
+    assert outs[1].output_ids == exact[1].output_ids
+
+
+def test_a_round_without_a_family_or_with_unknown_segments_is_refused(make_tiny_engine):
+    engine = make_tiny_engine()
+    request = sibling(0, "ab", RecoverySpec(policy="none", round=ROUND))
+    assert request.recovery is not None
+    orphan = Request(
+        "x",
+        request.prompt_ids,
+        GREEDY,
+        SALT,
+        recovery=RecoveryRequest(request.recovery.spans, request.recovery.spec, None),
+    )
+    with pytest.raises(InvalidRequestError, match="needs a family"):
+        engine.add_request(orphan)
+    unknown = RecoverySpec(policy="none", round=RoundSpec(id="r", segments=["zz"]))
+    stray = Request(
+        "y",
+        request.prompt_ids,
+        GREEDY,
+        SALT,
+        recovery=RecoveryRequest(request.recovery.spans, unknown, "f"),
+    )
+    with pytest.raises(InvalidRequestError, match="no span has"):
+        engine.add_request(stray)
