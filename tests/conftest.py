@@ -46,6 +46,14 @@ def random_tokens(n: int, seed: int, low: int = 3, high: int = 256) -> list[int]
     return torch.randint(low, high, (n,), generator=gen).tolist()
 
 
+def rope_pair_norms(keys: torch.Tensor) -> torch.Tensor:
+    """Each channel's RoPE pair norm |(k_i, k_{i + d/2})| (float32), on both channels of the pair:
+    what a turn preserves, so what bounds a turned element and its rounding error."""
+    half = keys.shape[-1] // 2
+    norms = keys[..., :half].float().hypot(keys[..., half:].float())
+    return torch.cat((norms, norms), dim=-1)
+
+
 def run_kmesh(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     """The `kmesh` command in a new process, as a user runs it."""
     return subprocess.run(

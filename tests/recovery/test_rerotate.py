@@ -12,7 +12,7 @@ import torch
 
 from kmesh.compute.executor import SequenceInput
 from kmesh.recovery.rerotate import rerotate_keys
-from tests.conftest import random_tokens
+from tests.conftest import random_tokens, rope_pair_norms
 
 
 def keys_at(executor, tokens, offset):
@@ -48,3 +48,22 @@ def test_rerotation_on_the_real_model(real_model):
         moved = rerotate_keys(k_p[layer], pos_p, pos_q, executor.config)
         scale = k_q[layer].abs().max()
         assert ((moved - k_q[layer]).abs().max() / scale).item() < 1e-3
+
+
+def test_bfloat16_keys_are_turned_in_float32_and_rounded_once(tiny):
+    """A bfloat16 KV cache's keys stay bfloat16 and move as their float32 values do, rounded once:
+    bit for bit the float32 turn rounded to bfloat16. Against the float32 turn of the unrounded
+    keys that is two bfloat16 roundings (of the key, of the turned key), each at most 2^-8 of an
+    element, hence of its pair's norm, which the turn preserves: within 2^-7 of the pair norm."""
+    executor, _ = tiny
+    keys, positions = keys_at(executor, random_tokens(24, seed=4), 100)
+    keys = torch.stack(keys)  # [layers, n, kv_heads, head_dim]
+    to = positions + 2900
+    rounded = keys.bfloat16()
+    moved = rerotate_keys(rounded, positions, to, executor.config)
+    assert moved.dtype == torch.bfloat16
+    assert torch.equal(
+        moved, rerotate_keys(rounded.float(), positions, to, executor.config).bfloat16()
+    )
+    reference = rerotate_keys(keys, positions, to, executor.config)
+    assert ((moved.float() - reference).abs() <= 2**-7 * rope_pair_norms(keys) + 1e-6).all()

@@ -9,6 +9,13 @@ equals the full computation at those positions.
 
 Keys are returned (and expected) after RoPE, so stored KV is position-bound.
 
+Tensors flow in the weights' dtype (float32 or bfloat16); what rounds badly in bfloat16 is done in
+float32 as vLLM's Llama does on CPU, so that the executor on vLLM's modules computes what vLLM
+computes: the RMS norms (vLLM's native rms_norm: normalized in float32, rounded, then times the
+weight), RoPE (compute/rope.py), attention's scores and softmax (inside torch's
+scaled_dot_product_attention; compute/attention.py). Residual adds round once, like vLLM's
+fused add. Temporaries in float32 are per layer; KV is kept in the weights' dtype.
+
 Sequences of a batch that hold the same `shared` context object (a prefix they share physically,
 e.g. a fork's trunk) attend to it once, together, and to their own `context` and new tokens
 separately; the two parts are merged exactly by log-sum-exp (see compute/attention.py).
@@ -102,7 +109,9 @@ class Executor:
         lengths = [len(item.token_ids) for item in batch]
         token_ids = torch.cat([item.token_ids for item in batch])
         positions = torch.cat([item.positions for item in batch])
+        # The RoPE table in the model's dtype (vLLM's cos_sin_cache is), the rotation in float32.
         cos, sin = rope_cos_sin(positions, self._inv_freq)
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         if residual is None:
             if layers.start != 0:
                 raise ValueError("a run that does not start at layer 0 needs the residual stream")

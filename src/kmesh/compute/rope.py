@@ -2,6 +2,10 @@
 
 RoPE rotates each pair of channels (i, i + head_dim/2) by angle position * inv_freq[i]. Because it
 is a rotation, a key rotated for position p is moved to position p + d exactly by rotating it by d.
+
+The rotation is computed in float32 whatever the input's dtype and rounded once to it, as vLLM's
+CPU kernel does (`rotary_embedding`, csrc/cpu/pos_encoding.cpp); the cos/sin tables are used as
+given (the executor rounds them to the model's dtype, as vLLM's cos_sin_cache is).
 """
 
 import torch
@@ -27,7 +31,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` of shape [n, heads, head_dim] by per-token angles ([n, head_dim] cos/sin)."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    """Rotate `x` of shape [..., n, heads, head_dim] by per-token angles ([n, head_dim] cos/sin):
+    in float32, the result in x's dtype (a float32 temporary of x's size for a narrower x)."""
+    x32 = x.float()
+    cos = cos[:, None, :].float()
+    sin = sin[:, None, :].float()
+    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)

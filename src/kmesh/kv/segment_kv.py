@@ -3,6 +3,8 @@
 Keys are stored as if the segment's tokens sat at positions 0..n-1; `placed` turns them to the
 positions where a prompt puts the segment. Values carry no position and are shared as they are.
 Re-rotation fixes positions only; the context the KV was computed in stays (recovery's job).
+KV stays in the dtype it was computed in (the KV cache's: float32 or bfloat16); turns are
+computed in float32 (recovery/rerotate.py).
 """
 
 from dataclasses import dataclass

@@ -3,9 +3,13 @@
 On CPU vLLM keeps no plain weight in its linear layers (vllm/model_executor/layers/utils.py::
 dispatch_cpu_unquantized_gemm prepacks each one for oneDNN and leaves `weight` empty), but the
 layers stay callable. So the executor's projections call vLLM's own modules (`qkv_proj`, `o_proj`,
-the MLP), while attention, RoPE and the norms are KMesh's (the norm weights and the embedding are
-plain tensors in vLLM too). With LoRA enabled vLLM wraps those modules; the bridge uses the base
-layers under the wrappers (recovery serves base-model requests only).
+the MLP's `gate_up_proj`, activation and `down_proj`), while attention, RoPE and the norms are
+KMesh's (the norm weights and the embedding are plain tensors in vLLM too). With LoRA enabled vLLM
+wraps those modules; the bridge uses the base layers under the wrappers (recovery serves
+base-model requests only).
+
+The executor runs in the dtype of vLLM's embedding (the engine's dtype, float32 or bfloat16) and
+keeps vLLM's tensors as they are: nothing is converted or copied.
 """
 
 from typing import Any
@@ -25,6 +29,7 @@ class VllmLayer:
         self._qkv = _base(attention.qkv_proj)
         self._o = _base(attention.o_proj)
         self._gate_up = _base(layer.mlp.gate_up_proj)
+        self._act = layer.mlp.act_fn  # SiluAndMul over the fused [gate, up] output
         self._down = _base(layer.mlp.down_proj)
         self._sizes = [
             config.num_heads * config.head_dim,
@@ -43,8 +48,7 @@ class VllmLayer:
         return out
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self._gate_up(h)[0].chunk(2, dim=-1)
-        out: torch.Tensor = self._down(torch.nn.functional.silu(gate) * up)[0]
+        out: torch.Tensor = self._down(self._act(self._gate_up(h)[0]))[0]
         return out
 
 

@@ -5,6 +5,9 @@ head_size], its first half the keys stored transposed ([head_size, block_size] p
 second half the values ([block_size, head_size]). Reading inverts that layout; writing goes through
 vLLM's own op (`cpu_attn_reshape_and_cache`, with the attention layer's ISA), so what is written is
 vLLM's layout by construction.
+
+Rows are read and written in the cache's dtype (float32 or bfloat16): reads gather just the rows
+asked for, writes convert one layer's rows at a time; the cache itself is never converted.
 """
 
 from collections.abc import Sequence
@@ -32,7 +35,8 @@ class Pages:
     def read(
         self, block_ids: Sequence[int], positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [layers, n, kv_heads, head_dim] of a request's rows at `positions` [n]."""
+        """K and V [layers, n, kv_heads, head_dim] of a request's rows at `positions` [n], in the
+        cache's dtype."""
         table = torch.tensor(block_ids, dtype=torch.int64)
         blocks = table[positions // self.block_size]
         offsets = positions % self.block_size
@@ -53,15 +57,16 @@ class Pages:
         v: torch.Tensor,
         attention_layers: dict[str, Any],
     ) -> None:
-        """Write K and V [layers, n, kv_heads, head_dim] into a request's rows at `positions`."""
+        """Write K and V [layers, n, kv_heads, head_dim] into a request's rows at `positions`
+        (rounded to the cache's dtype if theirs differs)."""
         from vllm import _custom_ops as ops
 
         slots = self.slots(block_ids, positions)
         for index, (name, layer) in enumerate(zip(self.names, self.layers, strict=True)):
             key_cache, value_cache = self._split(layer)
             ops.cpu_attn_reshape_and_cache(
-                k[index].contiguous(),
-                v[index].contiguous(),
+                k[index].to(key_cache.dtype).contiguous(),
+                v[index].to(value_cache.dtype).contiguous(),
                 key_cache,
                 value_cache,
                 slots,
