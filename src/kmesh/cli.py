@@ -254,6 +254,18 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         others,
         progress=console.log,
     )
+    if args.closed_loop:
+        from kmesh.bench.closed_loop import reference_closed_loop
+
+        loops = reference_closed_loop(
+            Engine(model.executor, model.fingerprint, kv_cache_tokens=1 << 15),
+            model.tokenizer,
+            workload,
+            cfg,
+            progress=console.log,
+        )
+        for name, loop in loops.items():
+            report["strategies"][name]["closed_loop"] = loop
     print_table(report, report_console())
     write_json(args.json, report)
     if args.report is not None:
@@ -286,7 +298,14 @@ def _bench_allgather_vllm(
         )
     console = Console(stderr=True)
     report = run_vllm_allgather_bench(
-        turns, cfg, workload, args.model, args.block_size, args.sweep, progress=console.log
+        turns,
+        cfg,
+        workload,
+        args.model,
+        args.block_size,
+        args.sweep,
+        args.closed_loop,
+        progress=console.log,
     )
     write_json(args.json, report)
     print_table(report, report_console())
@@ -493,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ratio for both master choices)",
     )
     gather.add_argument("--scale", default=None, help="also run these agent counts, e.g. 4,8,16")
+    gather.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="also run each strategy's council on its own generated outputs and compare them "
+        "with full prefill's (bench/closed_loop.py)",
+    )
     gather.add_argument("--json", required=True, help="where to write the report")
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
     gather.add_argument("--model", default=None, help="model folder (default: the embedded model)")

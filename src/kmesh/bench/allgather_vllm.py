@@ -42,8 +42,9 @@ from kmesh.bench.allgather import (
     strategies_report,
     summary_of,
 )
+from kmesh.bench.closed_loop import closed_loop_summary, run_closed_loop
+from kmesh.bench.strategy_requests import strategy_request
 from kmesh.recovery.collective import MASTER_CHOICES
-from kmesh.state.segments import Segment
 from kmesh.workloads.allgather import (
     AgentTurn,
     AllGatherConfig,
@@ -51,8 +52,6 @@ from kmesh.workloads.allgather import (
     new_tokens,
     output_segment_id,
 )
-
-FAMILY = "allgather"
 
 
 class VllmAllGatherBench:
@@ -77,10 +76,17 @@ class VllmAllGatherBench:
         self.progress = progress
         self.rounds = group_rounds(turns)
 
-    def report(self, fingerprint: str, sweep: bool = False) -> dict[str, Any]:
+    def report(
+        self, fingerprint: str, sweep: bool = False, tokenizer: Any = None
+    ) -> dict[str, Any]:
+        """The four strategies; with `sweep`, collective's agent ratios and master choices; with
+        a tokenizer, each strategy's closed loop too."""
         runs = {name: self.run(name) for name in STRATEGIES}
         summaries = {name: summary_of(run, runs["full"]) for name, run in runs.items()}
         rows = self.sweep(runs["full"]) if sweep else None
+        if tokenizer is not None:
+            for name, loop in self.closed_loop(tokenizer).items():
+                summaries[name]["closed_loop"] = loop
         cfg = self.cfg
         config = {
             "engine": "vllm",
@@ -199,39 +205,28 @@ class VllmAllGatherBench:
 
     def _request(self, name: str, r: int, turn: AgentTurn) -> tuple[dict, dict | None]:
         """The prompt (token ids, cache salt) and the kmesh object of one agent turn."""
+        salt, kmesh = strategy_request(name, r, turn, self.cfg, self.workload.agents, self.variant)
         prompt: dict[str, Any] = {"prompt_token_ids": list(turn.prompt.token_ids)}
-        if name == "full":
-            prompt["cache_salt"] = f"full:{r}:{turn.agent}"
-            return prompt, None
-        if name == "prefix" or r == 0:
-            if name != "prefix":
-                prompt["cache_salt"] = f"kmesh-approx:{name}{self.variant}"
-            return prompt, None
-        prompt["cache_salt"] = f"kmesh-approx:{name}{self.variant}"
-        cfg = self.cfg
-        segments = [_segment_spec(s) for s in turn.prompt.segments]
-        recovery: dict[str, Any] = {
-            "policy": cfg.policy,
-            "gate": cfg.gate,
-            "check_layer": cfg.check_layer,
-        }
-        if name == "per_request":
-            return prompt, {
-                "segments": segments,
-                "recovery": {**recovery, "ratio": cfg.recompute_ratio},
-            }
-        outputs = self._outputs(r - 1)
-        round_ = {
-            "id": f"r{r}",
-            "segments": outputs,
-            "master": cfg.master,
-            "shared_ratio": cfg.shared_ratio,
-        }
-        return prompt, {
-            "family": FAMILY,
-            "segments": segments,
-            "recovery": {**recovery, "ratio": cfg.agent_ratio, "round": round_},
-        }
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        return prompt, kmesh
+
+    def closed_loop(self, tokenizer: Any) -> dict[str, dict[str, list[float]]]:
+        """bench/closed_loop.py through this engine (salts of their own)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=self.workload.output_tokens)
+
+        def generate(name: str, r: int, turns: list[AgentTurn]) -> list[list[int]]:
+            outs = self._generate([self._request(name, r, t) for t in turns], params)
+            return [list(out.outputs[0].token_ids) for out in outs]
+
+        self.variant = ":closed-loop"
+        try:
+            outputs = run_closed_loop(self.workload, tokenizer, STRATEGIES, generate, self.progress)
+        finally:
+            self.variant = ""
+        return closed_loop_summary(outputs)
 
     def _outputs(self, r: int) -> list[str]:
         """Round r's output segment ids, in agent order (the master's canonical order)."""
@@ -245,13 +240,6 @@ class VllmAllGatherBench:
         return tokens * self.kv_bytes_per_token
 
 
-def _segment_spec(segment: Segment) -> dict[str, Any]:
-    spec: dict[str, Any] = {"token_ids": list(segment.token_ids), "role": segment.role.value}
-    if segment.segment_id is not None:
-        spec["id"] = segment.segment_id
-    return spec
-
-
 def run_vllm_allgather_bench(
     turns: Sequence[AgentTurn],
     cfg: AllGatherBenchConfig,
@@ -259,6 +247,7 @@ def run_vllm_allgather_bench(
     model: str | None = None,
     block_size: int | None = None,
     sweep: bool = False,
+    closed_loop: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Start vLLM with KMeshConnector on the model folder (pages of `block_size` tokens,
@@ -289,6 +278,11 @@ def run_vllm_allgather_bench(
         bench = VllmAllGatherBench(
             llm, turns, workload, cfg, hf["vocab_size"], kv_bytes_per_token, block_size, progress
         )
-        return bench.report(model_fingerprint(str(path)), sweep)
+        tokenizer = None
+        if closed_loop:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return bench.report(model_fingerprint(str(path)), sweep, tokenizer)
     finally:
         llm.llm_engine.engine_core.shutdown()

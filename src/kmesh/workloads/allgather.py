@@ -146,31 +146,34 @@ class _Chat:
         return self.tokens(f"<|im_start|>{role}\n{content}<|im_end|>\n")
 
 
-def generate_trace(
-    cfg: AllGatherConfig,
-    engine: Engine,
-    tokenizer: Any,
-    progress: Callable[[str], None] = lambda _: None,
-) -> list[AgentTurn]:
-    """Run the council with the engine: every round's prompts, then every agent's output."""
-    chat = _Chat(tokenizer)
-    system = Segment(chat.message("system", SYSTEM), Role.SHARED, "system", SYSTEM, "system")
-    personas = [
-        Segment(chat.message("user", t), Role.PRIVATE, f"persona-{a}", t, "user")
-        for a, t in ((a, _persona_text(cfg, a)) for a in range(cfg.agents))
-    ]
-    params = SamplingParams(max_tokens=cfg.output_tokens)
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    newline = chat.tokens("\n")
-    history: list[list[Segment]] = []  # per earlier round: the output segments by author
-    turns: list[AgentTurn] = []
-    for r in range(cfg.rounds):
-        progress(f"round {r + 1}/{cfg.rounds}: {cfg.agents} agents")
+class Council:
+    """The council's prompts round by round, each round built from the outputs given for the
+    earlier ones: the trace generator feeds it the reference engine's outputs, a closed-loop
+    benchmark the outputs each strategy generated itself."""
+
+    def __init__(self, cfg: AllGatherConfig, tokenizer: Any) -> None:
+        self.cfg = cfg
+        self._chat = chat = _Chat(tokenizer)
+        self._system = Segment(
+            chat.message("system", SYSTEM), Role.SHARED, "system", SYSTEM, "system"
+        )
+        self._personas = [
+            Segment(chat.message("user", t), Role.PRIVATE, f"persona-{a}", t, "user")
+            for a, t in ((a, _persona_text(cfg, a)) for a in range(cfg.agents))
+        ]
+        self._tokenizer = tokenizer
+        self._end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self._history: list[list[Segment]] = []  # per earlier round: output segments by author
+
+    def prompts(self) -> list[SegmentedPrompt]:
+        """The next round's prompt of every agent."""
+        r = len(self._history)
+        chat = self._chat
         prompts = []
-        for a in range(cfg.agents):
-            segments = [system, personas[a]]
-            for past, said in enumerate(history):
-                segments += [said[author] for author in order_for(cfg, past, a)]
+        for a in range(self.cfg.agents):
+            segments = [self._system, self._personas[a]]
+            for past, said in enumerate(self._history):
+                segments += [said[author] for author in order_for(self.cfg, past, a)]
             ask = f"Round {r + 1}. Member {a + 1}, give your proposal in one or two sentences."
             segments.append(
                 Segment(
@@ -182,26 +185,49 @@ def generate_trace(
                 )
             )
             prompts.append(SegmentedPrompt.of(segments))
+        return prompts
+
+    def answer(
+        self, prompts: Sequence[SegmentedPrompt], outputs: Sequence[Sequence[int]]
+    ) -> list[AgentTurn]:
+        """Record the round's outputs (by agent) for the prompts `prompts()` gave; its turns."""
+        r = len(self._history)
+        chat = self._chat
+        newline = chat.tokens("\n")
+        turns = []
+        said = []
+        for a, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            output_ids = tuple(output)
+            text = self._tokenizer.decode(list(output_ids), skip_special_tokens=True).strip()
+            turns.append(AgentTurn(r, a, prompt, output_ids, text))
+            # The author's exact tokens, closed like a message if generation was cut short.
+            ended = bool(output_ids) and output_ids[-1] == self._end_id
+            body = output_ids if ended else (*output_ids, self._end_id)
+            header = chat.tokens(f"<|im_start|>user\nMember {a + 1} said: ")
+            said.append(
+                Segment(header + body + newline, Role.SHARED, output_segment_id(r, a), text, "user")
+            )
+        self._history.append(said)
+        return turns
+
+
+def generate_trace(
+    cfg: AllGatherConfig,
+    engine: Engine,
+    tokenizer: Any,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[AgentTurn]:
+    """Run the council with the engine: every round's prompts, then every agent's output."""
+    council = Council(cfg, tokenizer)
+    params = SamplingParams(max_tokens=cfg.output_tokens)
+    turns: list[AgentTurn] = []
+    for r in range(cfg.rounds):
+        progress(f"round {r + 1}/{cfg.rounds}: {cfg.agents} agents")
+        prompts = council.prompts()
         outputs = engine.generate(
             Request(f"r{r}-a{a}", p.token_ids, params) for a, p in enumerate(prompts)
         )
-        round_outputs = []
-        for a, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-            text = tokenizer.decode(list(out.output_ids), skip_special_tokens=True).strip()
-            turns.append(AgentTurn(r, a, prompt, out.output_ids, text))
-            # The author's exact tokens, closed like a message if generation was cut short.
-            body = out.output_ids if out.output_ids[-1] == end_id else (*out.output_ids, end_id)
-            header = chat.tokens(f"<|im_start|>user\nMember {a + 1} said: ")
-            round_outputs.append(
-                Segment(
-                    header + body + newline,
-                    Role.SHARED,
-                    output_segment_id(r, a),
-                    text,
-                    "user",
-                )
-            )
-        history.append(round_outputs)
+        turns += council.answer(prompts, [out.output_ids for out in outputs])
     return turns
 
 

@@ -1,0 +1,60 @@
+"""The All-Gather strategies as requests an engine takes: a cache salt and a `kmesh` object.
+
+vLLM with KMeshConnector and the reference engine serve the same declarations (kmesh/recovery/
+requests.py), so both request-level benches (the vLLM bench, the closed loop) send these:
+- full: no kmesh object, a salt of its own per prompt (no prefix hit): vanilla full prefill;
+- prefix: no kmesh object, no salt: vanilla prefix caching;
+- per_request: the prompt's segments and a recovery policy (stored segment KV reused per request);
+- collective: the segments, a family and the round (the previous round's outputs, in author
+  order: the master's canonical order), `agent_ratio` recomputed per agent.
+Approximate strategies run under salts starting with `kmesh-approx` (each its own); round 0 holds
+no outputs and is sent without recovery.
+"""
+
+from typing import Any
+
+from kmesh.bench.allgather import AllGatherBenchConfig
+from kmesh.state.segments import Segment
+from kmesh.workloads.allgather import AgentTurn, output_segment_id
+
+FAMILY = "allgather"
+
+
+def strategy_request(
+    name: str, r: int, turn: AgentTurn, cfg: AllGatherBenchConfig, agents: int, variant: str = ""
+) -> tuple[str | None, dict[str, Any] | None]:
+    """(cache salt, kmesh object or None) of one agent turn under strategy `name`; `variant`
+    keeps a run's salts apart from another run's."""
+    if name == "full":
+        return f"full:{r}:{turn.agent}{variant}", None
+    if name == "prefix":
+        return None if not variant else f"prefix{variant}", None
+    salt = f"kmesh-approx:{name}{variant}"
+    if r == 0:
+        return salt, None
+    segments = [_segment_spec(s) for s in turn.prompt.segments]
+    recovery: dict[str, Any] = {
+        "policy": cfg.policy,
+        "gate": cfg.gate,
+        "check_layer": cfg.check_layer,
+    }
+    if name == "per_request":
+        return salt, {"segments": segments, "recovery": {**recovery, "ratio": cfg.recompute_ratio}}
+    round_ = {
+        "id": f"r{r}",
+        "segments": [output_segment_id(r - 1, a) for a in range(agents)],
+        "master": cfg.master,
+        "shared_ratio": cfg.shared_ratio,
+    }
+    return salt, {
+        "family": FAMILY,
+        "segments": segments,
+        "recovery": {**recovery, "ratio": cfg.agent_ratio, "round": round_},
+    }
+
+
+def _segment_spec(segment: Segment) -> dict[str, Any]:
+    spec: dict[str, Any] = {"token_ids": list(segment.token_ids), "role": segment.role.value}
+    if segment.segment_id is not None:
+        spec["id"] = segment.segment_id
+    return spec
