@@ -132,25 +132,23 @@ def recover_siblings(
 ) -> list[SiblingResult]:
     """Mirror the master into each sibling's region and correct it by `cfg` (one batch)."""
     placed = [_placed_region(executor, master, s) for s in siblings]
-    recovered = recover(executor, [region for region, _ in placed], cfg) if placed else []
+    recovered = recover(executor, [region for region, _, _ in placed], cfg) if placed else []
     results = []
-    for sibling, (region, mirrors), out in zip(siblings, placed, recovered, strict=True):
+    for sibling, (region, mirrors, restored), out in zip(siblings, placed, recovered, strict=True):
         reused = int(region.reusable.sum()) - len(out.recomputed)
         if out.fell_back and not cfg.recompute_on_gate:
             results.append(SiblingResult(out, mirrors, 0))
             continue
-        corrected = region.block[out.recomputed] if region.block is not None else None
+        assert region.block is not None
+        corrected = region.block[out.recomputed]  # units: mirror index << 32 | mirror block
         diffed = []
-        for index, mirror in enumerate(mirrors):
-            k, v = restore(master, mirror, executor.config)
+        for index, (mirror, (k, v)) in enumerate(zip(mirrors, restored, strict=True)):
+            # The run's KV as the sibling now holds it: the master's, corrected where recomputed.
             inside = (mirror.positions >= sibling.start) & (mirror.positions < sibling.end)
             rows = mirror.positions[inside] - sibling.start
             k[:, inside] = out.k[:, rows]
             v[:, inside] = out.v[:, rows]
-            blocks = torch.zeros(0, dtype=torch.int64)
-            if corrected is not None:
-                own = corrected[(corrected >> 32) == index] & 0xFFFFFFFF
-                blocks = torch.unique(own)
+            blocks = torch.unique(corrected[(corrected >> 32) == index] & 0xFFFFFFFF)
             diffed.append(mirror.with_diff(master, k, v, blocks))
         results.append(SiblingResult(out, tuple(diffed), reused))
     return results
@@ -286,8 +284,9 @@ def _exact_rows(
 
 def _placed_region(
     executor: Executor, master: Master, sibling: SiblingInput
-) -> tuple[RegionInput, tuple[Mirror, ...]]:
-    """The sibling's region with the master's KV placed on its round segments.
+) -> tuple[RegionInput, tuple[Mirror, ...], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The sibling's region with the master's KV placed on its round segments, its mirrors and
+    each mirror's restored KV (the whole run, also where it lies in the prefix).
 
     Units for whole-block selection: a placed token's unit is (mirror index << 32 | its mirror
     block), every other token a unit of its own (never chosen: not reusable)."""
@@ -297,6 +296,7 @@ def _placed_region(
     segment = torch.full((t,), len(sibling.spans), dtype=torch.int64)
     block = -1 - torch.arange(t, dtype=torch.int64)
     mirrors = []
+    restored = []
     for index, (lo, order) in enumerate(_runs(sibling.spans)):
         mirror = Mirror.of(master, order, lo)
         mirror_k, mirror_v = restore(master, mirror, executor.config)
@@ -311,6 +311,7 @@ def _placed_region(
         )
         segment[rows] = segment_of[inside]
         mirrors.append(mirror)
+        restored.append((mirror_k, mirror_v))
     region = RegionInput(
         sibling.token_ids,
         torch.arange(sibling.start, sibling.end),
@@ -322,7 +323,7 @@ def _placed_region(
         block,
         keep_reused_outside_selection=True,
     )
-    return region, tuple(mirrors)
+    return region, tuple(mirrors), restored
 
 
 def _blank(executor: Executor, n: int) -> torch.Tensor:
