@@ -75,6 +75,8 @@ BASE: dict[str, Any] = {
         "seconds_collective_over_per_request": 0.5,
         "kv_dense_over_collective": 6.1,
         "kv_dense_over_mirror": 14.2,
+        "computed_collective_over_prefix": None,  # no prefix run
+        "last_round_computed_over_new": {"full": 9.5, "collective": 1.25},
     },
 }
 
@@ -112,6 +114,10 @@ def _result(*, sweep: bool, scaling: bool) -> dict[str, Any]:
         result["sweep"] = copy.deepcopy(SWEEP)
     if scaling:
         result["scaling"] = copy.deepcopy(SCALING)
+        result["strategies"]["collective"]["closed_loop"] = {
+            "identical_share_per_round": [1.0, 0.625],
+            "common_prefix_mean_per_round": [1.0, 0.8125],
+        }
     return result
 
 
@@ -135,6 +141,7 @@ def test_full_report_has_every_section_and_plot(tmp_path):
     assert "| 1200.0 | 10.00 | 196.3 | 0.0031 | 0.0093 | 0.917 | 0.792 | 0 |" in text
     assert "kv_deviation" in text and "random" in text  # the sweep table
     assert "| 8 |" in text  # the scaling table
+    assert "| collective | 1.000 / 0.625 | 1.000 / 0.812 |" in text  # the closed loop
     for figure in ("quality_vs_ratio.png", "compute_storage.png", "scaling.png"):
         assert f"]({figure})" in text
         _assert_png(out_dir / figure)
@@ -168,6 +175,8 @@ def test_print_table_shows_strategies_ratios_and_optional_tables():
     assert "quality vs recompute ratio" in text
     assert "scaling over agent counts" in text
     assert "KV dense/mirror" in text
+    assert "last round's computed tokens / its new tokens: full 9.50, collective 1.25" in text
+    assert "closed loop vs full prefill's" in text and "1.000 / 0.625" in text
 
 
 def test_print_table_without_optional_sections():

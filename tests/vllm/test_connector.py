@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kmesh.vllm.config import DEFAULT_BLOCK_SIZE
 from tests.vllm.connector_job import TRUNK_TOKENS
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
@@ -70,7 +71,7 @@ def test_recovery_with_policy_full_inside_vllm_gives_vanillas_greedy_outputs(res
     (CPU layout, K transposed) and vLLM decodes from them."""
     for name, got in result["recovery_full"].items():
         assert got["ids"] == result["vanilla"][name], name
-        claimed = (got["prompt_tokens"] - 1) // 128 * 128
+        claimed = (got["prompt_tokens"] - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
         assert got["recovered_tokens"] == claimed
         assert got["computed_tokens"] == got["prompt_tokens"] - claimed
     assert result["recovery_full"]["a"]["recovered_tokens"] == TRUNK_TOKENS

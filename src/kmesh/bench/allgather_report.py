@@ -48,6 +48,7 @@ SWEEP_HEADER = (
 COMPARISON_LABELS = {
     "computed_collective_over_per_request": "computed tokens, collective / per_request",
     "seconds_collective_over_per_request": "prefill seconds, collective / per_request",
+    "computed_collective_over_prefix": "computed tokens, collective / prefix",
     "kv_dense_over_collective": "KV bytes, dense / collective",
     "kv_dense_over_mirror": "KV bytes, dense / collective mirror",
 }
@@ -105,9 +106,28 @@ def _collective_line(result: dict[str, Any]) -> str:
 
 
 def _comparison_items(result: dict[str, Any]) -> list[str]:
+    items = []
+    for key, value in result["comparison"].items():
+        if key == "last_round_computed_over_new":
+            per = ", ".join(f"{name} {ratio:.2f}" for name, ratio in value.items())
+            items.append(f"last round's computed tokens / its new tokens: {per}")
+        elif value is not None:
+            items.append(f"{COMPARISON_LABELS.get(key, key)}: {value:.2f}")
+    return items
+
+
+CLOSED_LOOP_HEADER = ("strategy", "identical to full, per round", "common prefix, per round")
+
+
+def _closed_loop_rows(result: dict[str, Any]) -> Rows:
     return [
-        f"{COMPARISON_LABELS.get(key, key)}: {value:.2f}"
-        for key, value in result["comparison"].items()
+        [
+            name,
+            " / ".join(f"{x:.3f}" for x in run["closed_loop"]["identical_share_per_round"]),
+            " / ".join(f"{x:.3f}" for x in run["closed_loop"]["common_prefix_mean_per_round"]),
+        ]
+        for name, run in result["strategies"].items()
+        if "closed_loop" in run
     ]
 
 
@@ -163,15 +183,18 @@ def report_console() -> Console:
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
-    """The strategies table, the comparison ratios, then the sweep and scaling tables if any."""
+    """The strategies table, the comparison ratios, then the sweep, scaling and closed-loop
+    tables if any."""
     console.print(_rich_table(STRATEGY_HEADER, _strategy_rows(result), _title(result)))
     console.print(_collective_line(result))
-    console.print("; ".join(_comparison_items(result)))
+    console.print("\n".join(_comparison_items(result)))
     if sweep := result.get("sweep"):
         console.print(_rich_table(SWEEP_HEADER, _sweep_rows(sweep), "quality vs recompute ratio"))
     if scaling := result.get("scaling"):
         header, rows = _scaling_table(scaling)
         console.print(_rich_table(header, rows, "scaling over agent counts"))
+    if closed := _closed_loop_rows(result):
+        console.print(_rich_table(CLOSED_LOOP_HEADER, closed, "closed loop vs full prefill's"))
 
 
 def _markdown_table(header: list[str] | tuple[str, ...], rows: Rows) -> str:
@@ -291,6 +314,11 @@ def write_report(result: dict[str, Any], out_dir: Path) -> Path:
             "## Scaling over agent counts",
             _markdown_table(*_scaling_table(scaling)),
             "![computed tokens vs agents](scaling.png)",
+        ]
+    if closed := _closed_loop_rows(result):
+        sections += [
+            "## Closed loop (each strategy on its own outputs) vs full prefill's",
+            _markdown_table(CLOSED_LOOP_HEADER, closed),
         ]
     path = out_dir / "report.md"
     path.write_text("\n\n".join(sections) + "\n")
