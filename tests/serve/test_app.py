@@ -6,9 +6,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fastapi.testclient import TestClient
 
+from kmesh.engine.engine import Engine
+from kmesh.engine.request import Request, SamplingParams
+from kmesh.recovery.jobs import RecoveryRequest, spans_of
 from kmesh.serve.app import create_app
 from kmesh.serve.backend import Delta, GenerationJob
 from kmesh.serve.reference_backend import ReferenceBackend
+from kmesh.state.request_meta import parse_kmesh_params, segment_spans
 
 pytestmark = pytest.mark.model
 
@@ -327,49 +331,66 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(real_model):
     assert "private details" not in error["message"]
 
 
-def test_a_declared_round_is_served_with_a_master_and_mirrors(client, backend):
-    """Three council members read the same two outputs in their own orders: the first is the
-    round's master (computed exactly), the others reuse every output token from it."""
-    tok = backend.tokenizer
-    outputs = {
-        "out-a": "Member 1 said: repave the main street before winter.",
-        "out-b": "Member 2 said: the clinic needs a nurse and a new scanner.",
-    }
-    lengths = {k: len(tok(v, add_special_tokens=False)["input_ids"]) for k, v in outputs.items()}
+ROUND_OUTPUTS = {
+    "out-a": "Member 1 said: repave the main street before winter.",
+    "out-b": "Member 2 said: the clinic needs a nurse and a new scanner.",
+}
+ROUND_ORDERS = ((1, ["out-a", "out-b"]), (2, ["out-b", "out-a"]), (3, ["out-b", "out-a"]))
 
-    def sibling(member: int, order: list[str]) -> dict:
-        segments = [
-            {"text": SHARED, "role": "shared", "id": "system"},
-            {"text": f" You are member {member}. ", "role": "private"},
-            *({"text": outputs[name], "role": "shared", "id": name} for name in order),
-            {"text": " Your vote:", "role": "instruction"},
-        ]
-        recovery = {
-            "policy": "kv_deviation",
-            "ratio": 0.0,
-            "gate": 0.5,
-            "round": {"id": "r1", "segments": ["out-a", "out-b"]},
-        }
-        kmesh = {"family": "council-round", "segments": segments, "recovery": recovery}
-        return complete(client, kmesh=kmesh, max_tokens=2, cache_salt="kmesh-approx:council")
 
-    first, *others = [
-        sibling(m, o)
-        for m, o in ((1, ["out-a", "out-b"]), (2, ["out-b", "out-a"]), (3, ["out-b", "out-a"]))
+def round_member(member: int, order: list[str]) -> dict:
+    """A council member's kmesh object: the two outputs of round 1 in its order."""
+    segments = [
+        {"text": SHARED, "role": "shared", "id": "system"},
+        {"text": f" You are member {member}. ", "role": "private"},
+        *({"text": ROUND_OUTPUTS[name], "role": "shared", "id": name} for name in order),
+        {"text": " Your vote:", "role": "instruction"},
     ]
-    for body in (first, *others):
+    recovery = {
+        "policy": "kv_deviation",
+        "ratio": 0.0,
+        "gate": 0.5,
+        "round": {"id": "r1", "segments": ["out-a", "out-b"]},
+    }
+    return {"family": "council-round", "segments": segments, "recovery": recovery}
+
+
+def test_a_declared_round_is_served_with_a_master_and_mirrors(client, backend, real_model):
+    """Three council members read the same two outputs in their own orders: the first is the
+    round's master (computed exactly), the others reuse every output token from it; and the
+    server computes what the engine computes for the same declarations (the benches' path)."""
+    tok = backend.tokenizer
+    salt = "kmesh-approx:council"
+    bodies = [
+        complete(client, kmesh=round_member(m, o), max_tokens=2, cache_salt=salt)
+        for m, o in ROUND_ORDERS
+    ]
+    for body in bodies:
         check_stats(body["kmesh"], family="council-round")
+    first, *others = bodies
     master = first["kmesh"]["recovery"]
     assert master["master_bytes"] > 0 and master["reused_tokens"] == 0
+    lengths = [len(tok(v, add_special_tokens=False)["input_ids"]) for v in ROUND_OUTPUTS.values()]
     for body in others:
         report = body["kmesh"]["recovery"]
         assert report["master_bytes"] == 0 and not report["fell_back"]
-        assert report["reused_tokens"] == sum(lengths.values())
+        assert report["reused_tokens"] == sum(lengths)
         assert body["kmesh"]["recovered_tokens"] > report["reused_tokens"]
-    # Without an approximate salt the same round is refused and computed exactly.
-    plain = complete(
-        client,
-        kmesh={"family": "x", "segments": [{"text": SHARED}], "recovery": {"policy": "none"}},
-        max_tokens=1,
-    )
-    assert "refused" in plain["kmesh"]["recovery"]
+    engine = Engine(real_model.executor, real_model.fingerprint, kv_cache_tokens=4096)
+    for (member, order), body in zip(ROUND_ORDERS, bodies, strict=True):
+        kmesh = parse_kmesh_params(round_member(member, order))
+        ids, spans = segment_spans(tok, kmesh)
+        assert kmesh.recovery is not None
+        recovery = RecoveryRequest(tuple(spans_of(kmesh, spans)), kmesh.recovery, kmesh.family)
+        params = SamplingParams(max_tokens=2)
+        out = engine.generate([Request(f"m{member}", tuple(ids), params, salt, recovery=recovery)])
+        stats = out[0].stats
+        assert stats.computed_tokens == body["kmesh"]["computed_tokens"]
+        assert stats.recovered_tokens == body["kmesh"]["recovered_tokens"]
+        assert stats.recovery == body["kmesh"]["recovery"]
+
+
+def test_a_round_without_an_approximate_salt_is_refused_and_computed_exactly(client):
+    body = complete(client, kmesh=round_member(1, ["out-a", "out-b"]), max_tokens=1)
+    assert "refused" in body["kmesh"]["recovery"]
+    assert body["kmesh"]["recovered_tokens"] == 0
