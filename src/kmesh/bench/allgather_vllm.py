@@ -258,7 +258,12 @@ def run_vllm_allgather_bench(
     from vllm import LLM
 
     from kmesh.compute.loader import resolve_model_dir
-    from kmesh.vllm.config import DEFAULT_BLOCK_SIZE, attach, vllm_engine_kwargs
+    from kmesh.vllm.config import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_KV_CACHE_BYTES,
+        attach,
+        vllm_engine_kwargs,
+    )
     from kmesh.vllm.scheduler_side import model_fingerprint
 
     path = resolve_model_dir(model)
@@ -269,8 +274,17 @@ def run_vllm_allgather_bench(
     progress("starting vLLM with KMeshConnector")
     longest = max(len(t.prompt.token_ids) for t in turns) + cfg.greedy_tokens
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    # NOTE: room for a whole round's prompts and the previous round's (each agent's transcript
+    # hit): a smaller cache evicts transcripts between rounds and measures capacity, not reuse.
+    rounds = group_rounds(turns)
+    widest = max(sum(len(t.prompt.token_ids) + cfg.greedy_tokens for t in r) for r in rounds)
+    kv_cache_bytes = max(DEFAULT_KV_CACHE_BYTES, 2 * widest * kv_bytes_per_token)
     kwargs = vllm_engine_kwargs(
-        path, max_model_len=max(4096, longest), block_size=block_size, max_logprobs=-1
+        path,
+        max_model_len=max(4096, longest),
+        block_size=block_size,
+        kv_cache_bytes=kv_cache_bytes,
+        max_logprobs=-1,
     )
     llm = LLM(**kwargs)
     try:
