@@ -125,3 +125,12 @@ def test_greedy_decode_matches_engine_style_decoding(tiny):
         o = executor.forward([SequenceInput(torch.tensor(ids), torch.arange(len(ids)))])[0]
         ids.append(int(executor.logits(o.hidden[-1:]).argmax()))
     assert got == ids[6:]
+
+
+def test_the_sweep_varies_each_variants_own_knob(tiny, turns):
+    executor, fingerprint = tiny
+    cfg = AllGatherBenchConfig(block_size=4, greedy_tokens=4, gate=None)
+    rows = AllGatherBench(executor, fingerprint, turns, cfg).sweep(["kv_deviation"], [0.0, 1.0])
+    computed = {(r["strategy"], r["ratio"]): r["computed_tokens"] for r in rows}
+    for variant in ("per_request", "collective", "collective_shared"):
+        assert computed[(variant, 0.0)] < computed[(variant, 1.0)], variant

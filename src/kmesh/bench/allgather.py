@@ -218,12 +218,17 @@ class AllGatherBench:
 
     def sweep(self, policies: Sequence[str], ratios: Sequence[float]) -> list[dict[str, Any]]:
         """Quality and compute vs ratio, per policy: per_request's recompute ratio; collective's
-        agent ratio (shared step as configured); collective_shared's shared ratio (no agent
-        correction: the once-per-round recovery from the stored KV alone)."""
+        agent ratio (master as configured); collective_shared's shared ratio (the common-context
+        master, no agent correction: the once-per-round recovery from the stored KV alone)."""
         variants: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
             ("per_request", "per_request", "recompute_ratio", {}),
             ("collective", "collective", "agent_ratio", {}),
-            ("collective_shared", "collective", "shared_ratio", {"agent_ratio": 0.0}),
+            (
+                "collective_shared",
+                "collective",
+                "shared_ratio",
+                {"agent_ratio": 0.0, "master": "common"},
+            ),
         )
         rows = []
         base = self.cfg

@@ -133,8 +133,9 @@ def _closed_loop_rows(result: dict[str, Any]) -> Rows:
 
 SWEEP_LEGEND = (
     "The ratio is per_request's recompute ratio (per agent); collective's agent ratio (each "
-    "agent's blocks recomputed, the shared step as configured); collective_shared's shared "
-    "ratio (the round's outputs recovered once from their stored KV, no per-agent correction)."
+    "agent's blocks recomputed, the master as configured); collective_shared's shared ratio "
+    "(the common-context master: the round's outputs recovered once from their stored KV, no "
+    "per-agent correction)."
 )
 
 
