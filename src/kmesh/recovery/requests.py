@@ -12,7 +12,8 @@ kmesh/kv/kv_cache.py); the region [start, end) goes through kmesh.recovery:
   (kv_deviation, first_k, random; none keeps it as is, full recomputes all). Tokens no stored
   segment covers are computed. A shared segment this request computed in full is stored (its KV
   in this request's context, keys turned to canonical positions): later readers reuse it. One that
-  crosses into the block vLLM computes is computed whole here for that (its tail twice).
+  crosses past the claimed rows (into the block vLLM computes) is computed whole here for that
+  (its tail twice).
 - collective (a declared round, kmesh/recovery/collective.py): the round's master is its first
   sibling's own exact KV of the round's output segments (or, with `master: "common"`, the outputs
   recovered once after the family's common context: its leading shared segments, then every
@@ -25,10 +26,10 @@ The gate: a region whose mean check-layer key deviation exceeds `gate` is not wr
 and v None); the engine computes those rows itself (vLLM: reported as load errors, recomputed by
 its ordinary prefill), the safe fallback.
 
-What the worker keeps (stored segments, masters, common contexts) is bounded by `max_bytes`, least
-recently used dropped first: a dropped segment is computed again by its next reader, a dropped
-master rebuilt by the round's next sibling, a dropped common context restarted from the family's
-leading shared segments.
+What a RequestRecovery keeps (stored segments, masters, common contexts) is bounded by
+`max_bytes`, least recently used dropped first: a dropped segment is computed again by its next
+reader, a dropped master rebuilt by the round's next sibling, a dropped common context restarted
+from the family's leading shared segments.
 """
 
 from collections import OrderedDict
@@ -90,7 +91,7 @@ class _Ledger:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     report: RecoveryReport
-    # Rows [start, end) to write, None when the gate left them to vLLM.
+    # Rows [start, end) to write, None when the gate left them to the engine's own prefill.
     k: torch.Tensor | None
     v: torch.Tensor | None
 
