@@ -2,11 +2,6 @@
 vanilla vLLM, restoration from the store after the prefix cache is reset, and isolation of
 cache_salt and LoRA adapters. The engines run in one child process (connector_job.py)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from kmesh.vllm.config import DEFAULT_BLOCK_SIZE
@@ -15,15 +10,12 @@ from tests.vllm.connector_job import TRUNK_TOKENS
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
 
+JOB = "connector_job.py"
+
+
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("connector")
-    job = Path(__file__).with_name("connector_job.py")
-    done = subprocess.run(
-        [sys.executable, str(job), str(out)], capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return json.loads((out / "result.json").read_text())
+def result(job_result) -> dict:
+    return job_result
 
 
 def test_greedy_outputs_equal_vanilla_vllm(result):
