@@ -32,7 +32,6 @@ reader, a dropped master rebuilt by the round's next sibling, a dropped common c
 from the family's leading shared segments.
 """
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,6 +50,7 @@ from kmesh.recovery.collective import (
     recover_round,
 )
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan
+from kmesh.recovery.ledger import Ledger
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
 
@@ -62,30 +62,6 @@ MASTER_BLOCK = 16
 DEFAULT_RECOVERY_BYTES = 1 << 30
 
 _Key = tuple[str | None, str, str]  # (tenant, family, round id)
-
-
-class _Ledger:
-    """Sizes of what is kept, least recently used first."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.total = 0
-        self._sizes: OrderedDict[tuple[Any, ...], int] = OrderedDict()
-
-    def hold(self, key: tuple[Any, ...], nbytes: int) -> list[tuple[Any, ...]]:
-        """Record `key` (most recent) at `nbytes`; the keys to drop to stay within the bound."""
-        self.total += nbytes - self._sizes.pop(key, 0)
-        self._sizes[key] = nbytes
-        dropped = []
-        while self.total > self.max_bytes and len(self._sizes) > 1:
-            old, size = self._sizes.popitem(last=False)
-            self.total -= size
-            dropped.append(old)
-        return dropped
-
-    def touch(self, key: tuple[Any, ...]) -> None:
-        if key in self._sizes:
-            self._sizes.move_to_end(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +90,7 @@ class RequestRecovery:
     ) -> None:
         self.executor = executor
         self.fingerprint = fingerprint
-        self.ledger = _Ledger(max_bytes)
+        self.ledger = Ledger(max_bytes)
         self._segments: dict[str | None, SegmentIndex[SegmentKV]] = {}
         self._commons: dict[tuple[str | None, str], CommonContext] = {}
         self._masters: dict[_Key, Master] = {}
