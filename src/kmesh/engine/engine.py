@@ -233,7 +233,11 @@ class Engine:
         elif not request.prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         if request.recovery is not None:
-            _check_recovery(request)
+            if request.parent_id is not None:
+                raise InvalidRequestError(
+                    "a fork shares its parent's exact state: it takes no recovery"
+                )
+            request.recovery.check(len(request.prompt_ids))
         n = len(request.prompt_ids)
         if n > self.config.max_position:
             raise InvalidRequestError(
@@ -339,26 +343,3 @@ class Engine:
             stats=seq.stats,
             logits=tuple(seq.output_logits) if seq.request.keep_logits else None,
         )
-
-
-def _check_recovery(request: Request) -> None:
-    recovery = request.recovery
-    assert recovery is not None
-    if request.parent_id is not None:
-        raise InvalidRequestError("a fork shares its parent's exact state: it takes no recovery")
-    end = 0
-    for span in recovery.spans:
-        if not end <= span.start < span.end <= len(request.prompt_ids):
-            raise InvalidRequestError(
-                f"recovery span [{span.start}, {span.end}) is empty, out of order or outside the "
-                f"prompt of {len(request.prompt_ids)} tokens"
-            )
-        end = span.end
-    round_ = recovery.spec.round
-    if round_ is not None:
-        if recovery.family is None:
-            raise InvalidRequestError("a recovery round needs a family (its rounds share state)")
-        named = {span.segment_id for span in recovery.spans}
-        missing = [i for i in round_.segments if i not in named]
-        if missing:
-            raise InvalidRequestError(f"the round names segment ids no span has: {missing}")

@@ -10,6 +10,7 @@ in its runner.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kmesh.errors import InvalidRequestError
 from kmesh.state.request_meta import KMeshParams, RecoverySpec
 
 
@@ -57,6 +58,27 @@ class RecoveryRequest:
     spans: tuple[SegmentSpan, ...]  # its segments, spelling its prompt
     spec: RecoverySpec
     family: str | None
+
+    def check(self, num_prompt: int) -> None:
+        """Refuse spans that are not in order within a prompt of `num_prompt` tokens, and a
+        round without a family or naming a segment no span has (InvalidRequestError)."""
+        end = 0
+        for span in self.spans:
+            if not end <= span.start < span.end <= num_prompt:
+                raise InvalidRequestError(
+                    f"recovery span [{span.start}, {span.end}) is empty, out of order or outside "
+                    f"the prompt of {num_prompt} tokens"
+                )
+            end = span.end
+        round_ = self.spec.round
+        if round_ is None:
+            return
+        if self.family is None:
+            raise InvalidRequestError("a recovery round needs a family (its rounds share state)")
+        named = {span.segment_id for span in self.spans}
+        missing = [i for i in round_.segments if i not in named]
+        if missing:
+            raise InvalidRequestError(f"the round names segment ids no span has: {missing}")
 
 
 def spans_of(params: KMeshParams, spans: Sequence[tuple[int, int]]) -> list[SegmentSpan]:
