@@ -19,9 +19,13 @@ fused add. Temporaries in float32 are per layer; KV is kept in the weights' dtyp
 Sequences of a batch that hold the same `shared` context object (a prefix they share physically,
 e.g. a fork's trunk) attend to it once, together, and to their own `context` and new tokens
 separately; the two parts are merged exactly by log-sum-exp (see compute/attention.py).
+
+A sequence may carry a LoRA adapter (`SequenceInput.lora`, compute/lora.py): its deltas are added
+to the attention projections of its tokens at positions >= the use's start, before RoPE; the
+sequences of a batch may each use a different adapter (or none).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 
 from kmesh.compute.attention import attend, attend_with_lse, merge
 from kmesh.compute.config import ModelConfig
+from kmesh.compute.lora import LoraAdapter, LoraUse
 from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from kmesh.compute.weights import LlamaWeights
 
@@ -65,6 +70,8 @@ class SequenceInput:
     # Context shared with other inputs of the batch (the same object), attended before
     # `context`. Its positions must all be below the new tokens' positions.
     shared: ContextKV | None = None
+    # The adapter this sequence runs under (None: the base model).
+    lora: LoraUse | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +106,14 @@ class Executor:
         batch: Sequence[SequenceInput],
         layers: range | None = None,
         residual: Sequence[torch.Tensor] | None = None,
+        on_layer_input: Callable[[int, torch.Tensor], None] | None = None,
     ) -> list[SequenceOutput]:
         """Run the batch through `layers` (default: all). A partial run starts from `residual`
         (the per-sequence `residual` of an earlier run that ended where this one starts) instead
         of the embeddings; an output's k/v lists then hold `layers` only. `hidden` is the final
-        norm of the residual stream: meaningful (for logits) only after the last layer."""
+        norm of the residual stream: meaningful (for logits) only after the last layer.
+        `on_layer_input(layer, h)` sees each layer's normed input to the q/k/v projections,
+        [all tokens of the batch, hidden], before they run."""
         cfg = self.config
         layers = range(cfg.num_layers) if layers is None else layers
         lengths = [len(item.token_ids) for item in batch]
@@ -119,6 +129,7 @@ class Executor:
         else:
             x = torch.cat(list(residual))
         groups = _shared_groups(batch)
+        lora_rows = _lora_rows(batch, lengths)
         # By-position causal masks over (context, new tokens), the same in every layer.
         masks = [_causal_mask(item) for item in batch]
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
@@ -126,7 +137,11 @@ class Executor:
         for index in layers:
             layer = self.weights.layers[index]
             h = self._rms_norm(x, layer.input_norm)
+            if on_layer_input is not None:
+                on_layer_input(index, h)
             q, k, v = layer.qkv(h)
+            for projection, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                _add_lora(lora_rows, index, projection, h, out)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -146,7 +161,9 @@ class Executor:
                     )
                 )
             attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
-            x = x + layer.o(attn)
+            o = layer.o(attn)
+            _add_lora(lora_rows, index, "o_proj", attn, o)
+            x = x + o
             x = x + layer.mlp(self._rms_norm(x, layer.post_attention_norm))
         residuals = x.split(lengths)
         hidden = self._rms_norm(x, self.weights.final_norm).split(lengths)
@@ -209,6 +226,36 @@ def _causal_mask(item: SequenceInput) -> torch.Tensor:
     if item.context is not None and len(item.context.positions) > 0:
         key_positions = torch.cat((item.context.positions, item.positions))
     return key_positions[None, :] <= item.positions[:, None]
+
+
+def _lora_rows(
+    batch: Sequence[SequenceInput], lengths: list[int]
+) -> list[tuple[LoraAdapter, torch.Tensor]]:
+    """Per adapter in the batch, the rows (of all the batch's tokens) it applies to."""
+    rows: dict[int, tuple[LoraAdapter, list[torch.Tensor]]] = {}
+    offset = 0
+    for item, length in zip(batch, lengths, strict=True):
+        if item.lora is not None:
+            active = (item.positions >= item.lora.start).nonzero().flatten() + offset
+            rows.setdefault(id(item.lora.adapter), (item.lora.adapter, []))[1].append(active)
+        offset += length
+    return [(adapter, torch.cat(parts)) for adapter, parts in rows.values()]
+
+
+def _add_lora(
+    lora_rows: list[tuple[LoraAdapter, torch.Tensor]],
+    layer: int,
+    projection: str,
+    x: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Add each adapter's delta of `projection` to its rows of `out` (in place)."""
+    for adapter, rows in lora_rows:
+        if len(rows) == 0:
+            continue
+        delta = adapter.delta(layer, projection, x[rows])
+        if delta is not None:
+            out.index_add_(0, rows, delta.to(out.dtype))
 
 
 def _shared_groups(batch: Sequence[SequenceInput]) -> list[tuple[ContextKV, list[int]]]:

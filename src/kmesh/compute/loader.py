@@ -1,6 +1,5 @@
 """Load a Llama-family model folder (config.json + safetensors) into an Executor."""
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from safetensors.torch import load_file
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.embedded import ensure_embedded_model
 from kmesh.compute.executor import Executor
+from kmesh.compute.fingerprint import fingerprint_files
 from kmesh.compute.weights import LlamaWeights
 from kmesh.errors import ModelNotFoundError
 
@@ -25,16 +25,6 @@ class LoadedModel:
     executor: Executor
     # A transformers tokenizer; typed loosely to keep transformers out of import time.
     tokenizer: Any
-
-
-def fingerprint_files(paths: list[Path]) -> str:
-    digest = hashlib.sha256(b"kmesh-model-fingerprint-v1")
-    for path in paths:
-        digest.update(path.name.encode() + b"\x00")
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:

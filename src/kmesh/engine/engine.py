@@ -4,6 +4,12 @@ Exact sharing happens two ways, both by reference to the same physical blocks: t
 (full blocks a request happens to share with earlier ones) and forks (a branch declared to start
 from a retained state, which shares every block, copies the partly filled last one on its first
 write, and samples its first token from the parent's held logits).
+
+Requests may run under LoRA adapters loaded into the engine (several in one batch). State is
+keyed by adapter, so it never crosses adapters, with one exact exception: an activated adapter's
+tokens before its invocation are the base model's state (compute/lora.py), so they share blocks
+with the base model and with other activated adapters, and such a request may fork a base trunk
+whose every token lies before its invocation.
 """
 
 import time
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kmesh.compute.executor import Executor
+from kmesh.compute.lora import LoraAdapter, LoraUse
 from kmesh.engine.kv_manager import KVCacheManager, blocks_for
 from kmesh.engine.request import Request, RequestOutput
 from kmesh.engine.runner import ModelRunner
@@ -48,6 +55,7 @@ class Engine:
         prefix_caching: reuse full blocks across requests by key (forks share regardless).
         store: socket of a `kmesh store serve` process: prompt blocks the local cache misses are
             restored from it, and blocks this engine computes first are published to it.
+        adapters: LoRA adapters requests may name (`Request.adapter`), by their names.
     """
 
     def __init__(
@@ -61,6 +69,7 @@ class Engine:
         max_seqs: int = 32,
         prefix_caching: bool = True,
         store: str | None = None,
+        adapters: Iterable[LoraAdapter] = (),
     ) -> None:
         if block_size < 1 or kv_cache_tokens < block_size:
             raise InvalidRequestError(
@@ -69,6 +78,13 @@ class Engine:
             )
         self.executor = executor
         self.config = executor.config
+        self.adapters: dict[str, LoraAdapter] = {}
+        for adapter in adapters:
+            if adapter.name in self.adapters:
+                raise InvalidRequestError(
+                    f"two adapters are named {adapter.name!r}: give each its own name"
+                )
+            self.adapters[adapter.name] = adapter
         num_blocks = blocks_for(kv_cache_tokens, block_size)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, executor.dtype)
         if store is not None and not prefix_caching:
@@ -89,6 +105,8 @@ class Engine:
         self._queued_forks: defaultdict[str, list[Request]] = defaultdict(list)
         # Tenant salt of every retained (forkable) state: forks must carry the same.
         self._state_salts: dict[str, str | None] = {}
+        # Adapter of every retained state (None: the base model).
+        self._state_adapters: dict[str, str | None] = {}
 
     def close(self) -> None:
         """Close the store connections, if any (they reopen on the next use)."""
@@ -126,12 +144,16 @@ class Engine:
         self._live_ids.add(request.request_id)
         if request.retain:
             self._state_salts[request.request_id] = request.tenant_salt
+            self._state_adapters[request.request_id] = request.adapter
         if request.parent_id is None:
             if request.retain:
                 self.families.add_state(request.request_id)
-            seq = Sequence.from_request(request)
+            lora = LoraUse.of(self._adapter(request), request.prompt_ids)
+            seq = Sequence.from_request(request, lora=lora)
             if request.recovery is not None:
-                refusal = recovery_refusal(request.recovery.spec, request.tenant_salt, None)
+                refusal = recovery_refusal(
+                    request.recovery.spec, request.tenant_salt, request.adapter
+                )
                 if refusal is None:
                     seq.recovery = request.recovery
                 else:
@@ -204,6 +226,12 @@ class Engine:
         return [done[request_id] for request_id in order]
 
     def _check(self, request: Request) -> None:
+        if request.adapter is not None and request.adapter not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise InvalidRequestError(
+                f"adapter {request.adapter!r} is not loaded (loaded: {loaded}): name a loaded "
+                "adapter, or leave it out for the base model"
+            )
         if request.request_id in self._live_ids or request.request_id in self._retained:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         if self.families.trunk_family(request.request_id) is not None and not request.retain:
@@ -212,6 +240,11 @@ class Engine:
                 "retain=True so its branches can fork it"
             )
         early_forks = self._queued_forks.get(request.request_id, [])
+        if any(not self._may_fork(fork, request.adapter) for fork in early_forks):
+            raise ContractError(
+                f"trunk {request.request_id!r} runs under adapter {request.adapter!r}, which "
+                "branches already sent for it may not fork: state never crosses adapters"
+            )
         if any(fork.tenant_salt != request.tenant_salt for fork in early_forks):
             raise ContractError(
                 f"trunk {request.request_id!r} has another tenant salt than branches already "
@@ -229,6 +262,14 @@ class Engine:
                 raise ContractError(
                     f"request {request.request_id!r} forks {request.parent_id!r} of another "
                     "tenant salt: state never crosses tenants"
+                )
+            parent_adapter = self._state_adapters.get(request.parent_id, request.adapter)
+            if not self._may_fork(request, parent_adapter):
+                raise ContractError(
+                    f"request {request.request_id!r} (adapter {request.adapter!r}) forks "
+                    f"{request.parent_id!r} (adapter {parent_adapter!r}): state never crosses "
+                    "adapters (only an activated adapter whose invocation follows a base "
+                    "trunk may fork it)"
                 )
         elif not request.prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
@@ -258,9 +299,33 @@ class Engine:
                 "kv_cache_tokens or lower max_tokens"
             )
 
+    def _adapter(self, request: Request) -> LoraAdapter | None:
+        return None if request.adapter is None else self.adapters[request.adapter]
+
+    def _may_fork(self, request: Request, parent_adapter: str | None) -> bool:
+        """Whether `request` may fork a state computed under `parent_adapter`: the same adapter,
+        or an activated adapter forking a base-model state it leaves unchanged (its invocation
+        lies wholly in the fork's own tokens, so the adapter applies only after the trunk)."""
+        if request.adapter == parent_adapter:
+            return True
+        adapter = self._adapter(request)
+        if parent_adapter is not None or adapter is None or not adapter.activated:
+            return False
+        return adapter.activation_start(request.prompt_ids) is not None
+
+    def _fork_lora(self, request: Request, parent: Sequence) -> LoraUse | None:
+        """A fork continues its parent's state, so under the parent's adapter it keeps the
+        parent's activation, as generated tokens do; an activated adapter forking a base trunk
+        applies from its invocation in the fork's own tokens (_forks_base_trunk)."""
+        if request.adapter == parent.request.adapter:
+            return parent.lora
+        use = LoraUse.of(self._adapter(request), request.prompt_ids)
+        assert use is not None
+        return LoraUse(use.adapter, len(parent.token_ids) + use.start)
+
     def _start_fork(self, request: Request) -> None:
         parent = self._retained[request.parent_id or ""]
-        seq = Sequence.from_request(request, prefix_ids=parent.token_ids)
+        seq = Sequence.from_request(request, parent.token_ids, self._fork_lora(request, parent))
         if len(seq.token_ids) >= self.config.max_position:
             # The parent's tokens and the fork's own fill the context: nothing to generate.
             seq.finish_reason = "length"
@@ -329,6 +394,7 @@ class Engine:
             if trunk is not None:
                 self.kv.free(trunk)
                 self._state_salts.pop(trunk_id, None)
+                self._state_adapters.pop(trunk_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         assert seq.finish_reason is not None

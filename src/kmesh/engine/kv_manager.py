@@ -33,14 +33,30 @@ class KVCacheManager:
         # External restoration: blocks the local index misses come from the store if it has them.
         self.store = store
 
-    def _namespace(self, seq: Sequence) -> KeyNamespace:
-        return KeyNamespace(model=self.model_fingerprint, tenant_salt=seq.request.tenant_salt)
+    def _namespace(self, seq: Sequence, adapted: bool) -> KeyNamespace:
+        adapter = None
+        if adapted and seq.lora is not None:
+            adapter = seq.lora.adapter.key
+            if seq.lora.adapter.activated:
+                adapter += f":from={seq.lora.start}"
+        return KeyNamespace(self.model_fingerprint, adapter, seq.request.tenant_salt)
 
     def extend_keys(self, seq: Sequence, num_full_blocks: int) -> None:
-        """Compute the chained keys of the sequence's first `num_full_blocks` full blocks."""
-        if len(seq.block_keys) < num_full_blocks:
-            tokens = seq.token_ids[: num_full_blocks * self.block_size]
-            extend_block_keys(seq.block_keys, self._namespace(seq), tokens, self.block_size)
+        """Compute the chained keys of the sequence's first `num_full_blocks` full blocks.
+
+        Blocks wholly before the position the sequence's adapter applies from hold base-model
+        state and are keyed as the base model's (an activated adapter's context is shared with
+        every request of the base model and of other activated adapters); the rest are keyed
+        with the adapter and, for an activated one, that position (the same tokens with the
+        adapter starting elsewhere are other state)."""
+        if len(seq.block_keys) >= num_full_blocks:
+            return
+        bs = self.block_size
+        tokens = seq.token_ids[: num_full_blocks * bs]
+        base_blocks = num_full_blocks if seq.lora is None else seq.lora.start // bs
+        base_tokens = tokens[: min(base_blocks, num_full_blocks) * bs]
+        extend_block_keys(seq.block_keys, self._namespace(seq, False), base_tokens, bs)
+        extend_block_keys(seq.block_keys, self._namespace(seq, True), tokens, bs)
 
     def admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence its block table, reusing cached full blocks of its prefix.

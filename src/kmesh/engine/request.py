@@ -53,6 +53,8 @@ class Request:
     # Fill the prompt's rows after its prefix hit by recovery (segments, policy, round): see
     # kmesh/recovery/requests.py. Approximate recovery needs an approximate tenant salt.
     recovery: RecoveryRequest | None = None
+    # Name of a LoRA adapter loaded into the engine (None: the base model).
+    adapter: str | None = None
 
 
 @dataclass(slots=True)

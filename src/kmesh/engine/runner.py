@@ -43,6 +43,7 @@ class ModelRunner:
                     torch.arange(start, end),
                     context,
                     prefix,
+                    seq.lora,
                 )
             )
             slots.append(self.cache.slots(seq.block_table, start, end))

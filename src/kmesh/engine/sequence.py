@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kmesh.compute.lora import LoraUse
 from kmesh.engine.request import Request, RequestStats
 from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.state.keys import BlockHash
@@ -45,17 +46,31 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     # Recovery still to run on the prompt (taken by the runner at its first prefill).
     recovery: RecoveryRequest | None = None
+    # The request's adapter and the position it applies from (None: the base model throughout).
+    lora: LoraUse | None = None
     generator: torch.Generator | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def from_request(cls, request: Request, prefix_ids: list[int] | None = None) -> "Sequence":
-        """A new sequence; `prefix_ids` are a fork's parent tokens before the request's own."""
+    def from_request(
+        cls,
+        request: Request,
+        prefix_ids: list[int] | None = None,
+        lora: LoraUse | None = None,
+    ) -> "Sequence":
+        """A new sequence; `prefix_ids` are a fork's parent tokens before the request's own;
+        `lora` is how the request's adapter applies (None: the base model)."""
         generator = None
         if request.params is not None and request.params.seed is not None:
             generator = torch.Generator().manual_seed(request.params.seed)
         token_ids = (prefix_ids or []) + list(request.prompt_ids)
-        seq = cls(request, token_ids, len(token_ids), generator=generator)
+        seq = cls(
+            request,
+            token_ids,
+            len(token_ids),
+            lora=lora,
+            generator=generator,
+        )
         seq.stats.prompt_tokens = len(token_ids)
         return seq
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kmesh.compute.loader import fingerprint_files
+from kmesh.compute.fingerprint import fingerprint_files
 from kmesh.errors import KMeshError
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan, spans_of
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_block_keys
