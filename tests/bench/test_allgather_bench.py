@@ -1,7 +1,6 @@
 """The All-Gather benchmark's plumbing on the tiny model and a synthetic trace."""
 
 import pytest
-import torch
 
 from kmesh.bench.allgather import STRATEGIES, AllGatherBench, AllGatherBenchConfig
 from tests.conftest import synthetic_allgather_turns
@@ -109,22 +108,6 @@ def test_a_trace_that_is_not_all_gather_is_refused(tiny, turns):
     executor, fingerprint = tiny
     with pytest.raises(ValueError, match="one turn per agent"):
         AllGatherBench(executor, fingerprint, turns[:-1], AllGatherBenchConfig())
-
-
-def test_greedy_decode_matches_engine_style_decoding(tiny):
-    from kmesh.bench.allgather import greedy_decode
-    from kmesh.compute.executor import DenseKV, SequenceInput
-
-    executor, _ = tiny
-    tokens = torch.tensor([5, 9, 17, 33, 2, 8])
-    out = executor.forward([SequenceInput(tokens, torch.arange(6))])[0]
-    context = DenseKV(torch.arange(6), out.k, out.v)
-    got = greedy_decode(executor, [context], executor.logits(out.hidden[-1:]), 4)[0]
-    ids = tokens.tolist()
-    for _ in range(4):  # recompute the whole sequence for every token
-        o = executor.forward([SequenceInput(torch.tensor(ids), torch.arange(len(ids)))])[0]
-        ids.append(int(executor.logits(o.hidden[-1:]).argmax()))
-    assert got == ids[6:]
 
 
 def test_the_sweep_varies_each_variants_own_knob(tiny, turns):

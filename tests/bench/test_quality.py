@@ -8,7 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kmesh.bench.quality import Quality, greedy_match, next_token_kl
+from kmesh.bench.quality import Quality, greedy_decode, greedy_match, next_token_kl
+from kmesh.compute.executor import DenseKV, SequenceInput
+from kmesh.compute.lora import LoraUse
+from tests.random_lora import random_adapter
 
 
 def test_identical_logits_give_perfect_quality():
@@ -127,3 +130,30 @@ def test_measure_rejects_mismatched_inputs(reference, test, ref_greedy, greedy, 
 def test_kl_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="same shape"):
         next_token_kl(torch.zeros(2, 5), torch.zeros(2, 4))
+
+
+def test_greedy_decode_matches_engine_style_decoding(tiny):
+    executor, _ = tiny
+    tokens = torch.tensor([5, 9, 17, 33, 2, 8])
+    out = executor.forward([SequenceInput(tokens, torch.arange(6))])[0]
+    context = DenseKV(torch.arange(6), out.k, out.v)
+    got = greedy_decode(executor, [context], executor.logits(out.hidden[-1:]), 4)[0]
+    ids = tokens.tolist()
+    for _ in range(4):  # recompute the whole sequence for every token
+        o = executor.forward([SequenceInput(torch.tensor(ids), torch.arange(len(ids)))])[0]
+        ids.append(int(executor.logits(o.hidden[-1:]).argmax()))
+    assert got == ids[6:]
+
+
+def test_greedy_decode_under_an_adapter_matches_recomputing_under_it(tiny):
+    executor, _ = tiny
+    use = LoraUse(random_adapter(executor.config, seed=1), 0)
+    tokens = torch.tensor([5, 9, 17, 33, 2, 8])
+    out = executor.forward([SequenceInput(tokens, torch.arange(6), lora=use)])[0]
+    context = DenseKV(torch.arange(6), out.k, out.v)
+    got = greedy_decode(executor, [context], executor.logits(out.hidden[-1:]), 4, [use])[0]
+    ids = tokens.tolist()
+    for _ in range(4):
+        o = executor.forward([SequenceInput(torch.tensor(ids), torch.arange(len(ids)), lora=use)])
+        ids.append(int(executor.logits(o[0].hidden[-1:]).argmax()))
+    assert got == ids[6:]

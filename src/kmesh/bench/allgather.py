@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kmesh.bench.quality import Quality
+from kmesh.bench.quality import Quality, greedy_decode
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.errors import InvalidRequestError
@@ -548,33 +548,6 @@ class AllGatherBench:
             )
             for a, tokens in enumerate(greedy):
                 run.greedy[(r, a)] = tokens
-
-
-def greedy_decode(
-    executor: Executor, contexts: Sequence[DenseKV], logits: torch.Tensor, steps: int
-) -> list[list[int]]:
-    """`steps` greedy tokens per sequence, the first from `logits`, each later one computed
-    against the sequence's own context (no stop tokens: a fixed-length comparison)."""
-    tokens = [[int(t)] for t in logits.argmax(dim=-1)]
-    ks = [list(c.k) for c in contexts]
-    vs = [list(c.v) for c in contexts]
-    lengths = [len(c.positions) for c in contexts]
-    for step in range(steps - 1):
-        batch = [
-            SequenceInput(
-                torch.tensor([tokens[i][-1]]),
-                torch.tensor([lengths[i] + step]),
-                DenseKV(torch.arange(lengths[i] + step), ks[i], vs[i]),
-            )
-            for i in range(len(contexts))
-        ]
-        outputs = executor.forward(batch)
-        next_ids = executor.logits(torch.cat([o.hidden for o in outputs])).argmax(dim=-1)
-        for i, out in enumerate(outputs):
-            tokens[i].append(int(next_ids[i]))
-            ks[i] = [torch.cat((k, new)) for k, new in zip(ks[i], out.k, strict=True)]
-            vs[i] = [torch.cat((v, new)) for v, new in zip(vs[i], out.v, strict=True)]
-    return tokens
 
 
 def hardware() -> str:

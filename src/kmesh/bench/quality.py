@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kmesh.compute.executor import DenseKV, Executor, SequenceInput
+from kmesh.compute.lora import LoraUse
+
 
 def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """KL(reference || test) of the next-token distributions, per row.
@@ -93,3 +96,36 @@ class Quality:
             "greedy_match_32": round(self.greedy_match_32, 4),
             "samples": self.samples,
         }
+
+
+def greedy_decode(
+    executor: Executor,
+    contexts: Sequence[DenseKV],
+    logits: torch.Tensor,
+    steps: int,
+    loras: Sequence[LoraUse | None] | None = None,
+) -> list[list[int]]:
+    """`steps` greedy tokens per sequence, the first from `logits`, each later one computed
+    against the sequence's own context (no stop tokens: a fixed-length comparison), under the
+    sequence's adapter if `loras` gives one."""
+    tokens = [[int(t)] for t in logits.argmax(dim=-1)]
+    ks = [list(c.k) for c in contexts]
+    vs = [list(c.v) for c in contexts]
+    lengths = [len(c.positions) for c in contexts]
+    for step in range(steps - 1):
+        batch = [
+            SequenceInput(
+                torch.tensor([tokens[i][-1]]),
+                torch.tensor([lengths[i] + step]),
+                DenseKV(torch.arange(lengths[i] + step), ks[i], vs[i]),
+                lora=None if loras is None else loras[i],
+            )
+            for i in range(len(contexts))
+        ]
+        outputs = executor.forward(batch)
+        next_ids = executor.logits(torch.cat([o.hidden for o in outputs])).argmax(dim=-1)
+        for i, out in enumerate(outputs):
+            tokens[i].append(int(next_ids[i]))
+            ks[i] = [torch.cat((k, new)) for k, new in zip(ks[i], out.k, strict=True)]
+            vs[i] = [torch.cat((v, new)) for v, new in zip(vs[i], out.v, strict=True)]
+    return tokens

@@ -172,6 +172,11 @@ class Executor:
             for seq in range(len(batch))
         ]
 
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE for x [n, heads, head_dim] at `positions` [n], as forward rotates q and k."""
+        cos, sin = rope_cos_sin(positions, self._inv_freq)
+        return apply_rope(x, cos.to(self.dtype), sin.to(self.dtype))
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits (float32) for final hidden states [n, hidden]."""
