@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from kmesh import cli_lora
 from kmesh.errors import InvalidRequestError, KMeshError
 
 
@@ -558,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     family.add_argument("--json", required=True, help="where to write the report")
     family.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     family.set_defaults(func=_bench_vllm_family)
+
+    cli_lora.add_commands(commands, benches)
 
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat) until SIGTERM/SIGINT"

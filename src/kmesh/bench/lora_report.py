@@ -1,0 +1,88 @@
+"""The table and the plot of a `kmesh bench lora` result (see bench/lora.py for the accounting)."""
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+HEADER = (
+    "agents",
+    "strategy",
+    "computed tokens",
+    "prefill s",
+    "KV/agent MiB",
+    "private MiB",
+    "KL mean",
+    "top-1",
+    "greedy@32",
+    "identical / refused",
+)
+
+
+def _rows(result: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for index, agents in enumerate(result["config"]["agents"]):
+        for name, strategy in result["strategies"].items():
+            run = strategy["runs"][index]
+            q = run["quality"]
+            if "outputs_identical_to_exact" in run:
+                extra = f"identical {run['outputs_identical_to_exact']:.2f}"
+            elif "gate_refused" in run:
+                extra = f"refused {run['gate_refused']}/{agents}"
+            else:
+                extra = ""
+            rows.append(
+                [
+                    str(agents),
+                    name,
+                    str(run["computed_tokens"]),
+                    f"{run['prefill_seconds']:.2f}",
+                    f"{run['kv_bytes_per_agent'] / 2**20:.2f}",
+                    f"{run['kv_bytes_private_per_agent'] / 2**20:.2f}",
+                    f"{q['kl_mean']:.3g}",
+                    f"{q['top1_agreement']:.3f}",
+                    f"{q['greedy_match_32']:.3f}",
+                    extra,
+                ]
+            )
+    return rows
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    cfg = result["config"]
+    table = Table(
+        *HEADER,
+        title=(
+            f"bench lora: one {cfg['context_tokens']}-token context, one adapter per agent "
+            f"(quality against exact; activated against its own full prefill)"
+        ),
+    )
+    for row in _rows(result):
+        table.add_row(*row)
+    console.print(table)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Computed tokens and KV bytes per agent against the agent count, a line per strategy."""
+    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    tokens_axes, bytes_axes = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    agents = result["config"]["agents"]
+    for name, strategy in result["strategies"].items():
+        runs = strategy["runs"]
+        tokens_axes.plot(agents, [r["computed_tokens"] for r in runs], marker="o", label=name)
+        bytes_axes.plot(
+            agents, [r["kv_bytes_per_agent"] / 2**20 for r in runs], marker="o", label=name
+        )
+    tokens_axes.set(xlabel="agents", ylabel="computed prompt tokens", title="prefill compute")
+    bytes_axes.set(
+        xlabel="agents", ylabel="MiB per agent (shared state / agents)", title="KV held per agent"
+    )
+    bytes_axes.set_yscale("log")
+    for axes in (tokens_axes, bytes_axes):
+        axes.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
