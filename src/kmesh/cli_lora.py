@@ -42,7 +42,7 @@ def load_adapters(kind: str, count: int, dtype: Any) -> list[Any]:
 def _bench_lora(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.lora import LoraBenchConfig, run_lora_bench
+    from kmesh.bench.lora import LoraBench, LoraBenchConfig, run_lora_bench
     from kmesh.bench.lora_report import plot, print_report
     from kmesh.cli import write_json
     from kmesh.compute.loader import load_model
@@ -74,7 +74,8 @@ def _bench_lora(args: argparse.Namespace) -> None:
         seed=args.seed,
         residual=ResidualConfig(args.check_tokens, args.max_deviation),
     )
-    result = run_lora_bench(model, plain, activated, cfg, progress=console.log)
+    console.log(f"the shared context ({cfg.context_tokens} tokens: written once, then cached)")
+    result = run_lora_bench(LoraBench(model, plain, activated, cfg), progress=console.log)
     print_report(result, Console())
     write_json(args.json, result)
     picture = Path(args.json).with_suffix(".png")

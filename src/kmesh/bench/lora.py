@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kmesh.bench.quality import Quality, greedy_decode
+from kmesh.bench.quality import Quality, greedy_decode, next_token_kl
 from kmesh.compute.executor import DenseKV, SequenceInput
 from kmesh.compute.loader import LoadedModel
 from kmesh.compute.lora import LoraAdapter, LoraUse
@@ -180,7 +180,7 @@ class LoraBench:
         run.kv_bytes = [len(r.prompt_ids) * self.bytes_per_token for r in requests[1:]]
         return run
 
-    def residual(self, agents: int) -> _Run:
+    def residual(self, agents: int, cfg: ResidualConfig) -> _Run:
         executor = self.model.executor
         adapters = self.plain[:agents]
         n = len(self.context)
@@ -192,7 +192,7 @@ class LoraBench:
         refused = 0
         kv_bytes = []
         for adapter in adapters:
-            outcome = adapter_context(executor, base, adapter, self.cfg.residual)
+            outcome = adapter_context(executor, base, adapter, cfg)
             computed += outcome.computed_tokens
             deviations.append(round(outcome.deviation, 4))
             kv = outcome.kv
@@ -245,14 +245,9 @@ class LoraBench:
 
 
 def run_lora_bench(
-    model: LoadedModel,
-    plain: Sequence[LoraAdapter],
-    activated: Sequence[LoraAdapter],
-    cfg: LoraBenchConfig,
-    progress: Callable[[str], None] = lambda _: None,
+    bench: LoraBench, progress: Callable[[str], None] = lambda _: None
 ) -> dict[str, Any]:
-    progress(f"writing the shared context ({cfg.context_tokens} tokens)")
-    bench = LoraBench(model, plain, activated, cfg)
+    cfg, model = bench.cfg, bench.model
     strategies: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"runs": []} for s in STRATEGIES}
     for agents in cfg.agents:
         progress(f"{agents} agents: exact")
@@ -268,8 +263,12 @@ def run_lora_bench(
         row["exact_computed_tokens"] = own_exact.computed_tokens
         strategies["activated"]["runs"].append(row)
         progress(f"{agents} agents: residual")
-        residual = bench.residual(agents)
-        strategies["residual"]["runs"].append(residual.row(agents, _quality(exact, residual)))
+        residual = bench.residual(agents, cfg.residual)
+        row = residual.row(agents, _quality(exact, residual))
+        row["agent_kl"] = [
+            float(f"{kl:.4g}") for kl in next_token_kl(exact.logits, residual.logits)
+        ]
+        strategies["residual"]["runs"].append(row)
     return {
         "config": {
             "agents": list(cfg.agents),

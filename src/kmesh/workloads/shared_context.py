@@ -2,18 +2,22 @@
 
 The context is a system message of notes the embedded model wrote itself (greedy reports on fixed
 topics, generated with the reference engine, so it is deterministic in the model and the seed),
-cut to exactly `context_tokens` tokens including the chat header and end marker. Agent i then
+cut to exactly `context_tokens` tokens including the chat header and end marker, and cached in
+cache_dir()/workloads/ by (model fingerprint, seed, length, recipe version). Agent i then
 asks its own question as a user message, followed by
 - for a plain adapter, the assistant's generation prompt;
 - for an activated adapter, its invocation sequence (the adapter applies from there on).
 Everything is token ids: prompts are built by concatenation, never retokenized.
 """
 
+import json
 import random
+import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from kmesh.compute.embedded import cache_dir
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.errors import InvalidRequestError
@@ -55,16 +59,7 @@ QUESTIONS = (
     "Describe the tone of the notes.",
 )
 REPORT_TOKENS = 160
-
-
-@dataclass(frozen=True, slots=True)
-class SharedContextWorkload:
-    context: tuple[int, ...]
-    # Per agent: its tokens after the context (question, then generation prompt or invocation).
-    own: tuple[tuple[int, ...], ...]
-
-    def prompt(self, agent: int) -> tuple[int, ...]:
-        return self.context + self.own[agent]
+_VERSION = "shared-context-v1"
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -74,7 +69,23 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 def shared_context(
     engine: Engine, tokenizer: Any, context_tokens: int, seed: int = 0
 ) -> tuple[int, ...]:
-    """The notes as a system message of exactly `context_tokens` tokens."""
+    """The notes as a system message of exactly `context_tokens` tokens (cached)."""
+    cached = (
+        cache_dir()
+        / "workloads"
+        / f"{_VERSION}-{engine.kv.model_fingerprint[:16]}-{seed}-{context_tokens}.json"
+    )
+    if cached.is_file():
+        return tuple(json.loads(cached.read_text()))
+    tokens = _write_notes(engine, tokenizer, context_tokens, seed)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=cached.parent, delete=False) as staging:
+        json.dump(list(tokens), staging)
+    Path(staging.name).replace(cached)  # atomic: readers see a whole file or none
+    return tokens
+
+
+def _write_notes(engine: Engine, tokenizer: Any, context_tokens: int, seed: int) -> tuple[int, ...]:
     head = _ids(tokenizer, "<|im_start|>system\nShared notes:\n")
     tail = _ids(tokenizer, "<|im_end|>\n")
     body_tokens = context_tokens - len(head) - len(tail)
