@@ -141,3 +141,21 @@ def store_factory(short_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
 @pytest.fixture
 def store(store_factory: Callable[..., StoreProcess]) -> StoreProcess:
     return store_factory()
+
+
+@pytest.fixture(scope="session")
+def lora_adapters() -> list[Path]:
+    """The folders of the first two plain LoRA adapters of the embedded model (trained on first
+    use, about 15 s each, then cached)."""
+    from kmesh.adapters.prepare import ensure_adapters
+
+    return ensure_adapters("lora", 2)
+
+
+@pytest.fixture(scope="session")
+def activated_adapters() -> list[Path]:
+    """The folders of the first two Activated LoRA adapters of the embedded model (trained on
+    first use, about 15 s each, then cached)."""
+    from kmesh.adapters.prepare import ensure_adapters
+
+    return ensure_adapters("activated", 2)
