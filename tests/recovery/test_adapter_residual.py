@@ -57,9 +57,9 @@ def test_the_gate_accepts_a_close_approximation_and_keeps_the_recomputed_check_r
     assert not torch.equal(outcome.kv.k[last][32:], approx.k[last][32:])
 
 
-def test_the_gate_refuses_when_the_deviation_exceeds_its_bound(tiny):
+def test_the_default_gate_refuses_an_adapter_that_moves_the_context_far(tiny):
     executor, _ = tiny
     adapter = random_adapter(executor.config, seed=1, scale=2.0)
     base = compute_base(executor, CONTEXT, [adapter])
-    outcome = adapter_context(executor, base, adapter, ResidualConfig(8, 0.05))
-    assert outcome.kv is None and outcome.deviation > 0.05
+    outcome = adapter_context(executor, base, adapter, ResidualConfig())
+    assert outcome.kv is None and outcome.deviation > ResidualConfig().max_deviation

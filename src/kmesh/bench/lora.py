@@ -140,10 +140,13 @@ class LoraBench:
             greedy=[list(out.output_ids) for out in agents_out],
         )
 
-    def exact(self, agents: int, adapters: Sequence[LoraAdapter]) -> _Run:
-        """Every agent's whole prompt under its adapter (prefix caching on: nothing is shared,
-        the keys differ by adapter)."""
-        engine = self._engine(adapters[:agents], agents)
+    def exact(
+        self, agents: int, adapters: Sequence[LoraAdapter], prefix_caching: bool = True
+    ) -> _Run:
+        """Every agent's whole prompt under its adapter. With prefix caching plain adapters
+        share nothing (the keys differ by adapter); without it (the reference for activated
+        adapters, whose context blocks are base-keyed) no agent reuses another's blocks."""
+        engine = self._engine(adapters[:agents], agents, prefix_caching=prefix_caching)
         requests = [
             Request(
                 f"agent-{i}",
@@ -255,7 +258,7 @@ def run_lora_bench(
         strategies["exact"]["runs"].append(exact.row(agents, _quality(exact, exact)))
         progress(f"{agents} agents: activated (and its own exact prefill, for the comparison)")
         shared = bench.activated_shared(agents)
-        own_exact = bench.exact(agents, bench.activated)
+        own_exact = bench.exact(agents, bench.activated, prefix_caching=False)
         row = shared.row(agents, _quality(own_exact, shared))
         row["outputs_identical_to_exact"] = (
             sum(a == b for a, b in zip(shared.greedy, own_exact.greedy, strict=True)) / agents
