@@ -5,11 +5,8 @@ Exact sharing happens two ways, both by reference to the same physical blocks: t
 from a retained state, which shares every block, copies the partly filled last one on its first
 write, and samples its first token from the parent's held logits).
 
-Requests may run under LoRA adapters loaded into the engine (several in one batch). State is
-keyed by adapter, so it never crosses adapters, with one exact exception: an activated adapter's
-tokens before its invocation are the base model's state (compute/lora.py), so they share blocks
-with the base model and with other activated adapters, and such a request may fork a base trunk
-whose every token lies before its invocation.
+Requests may run under LoRA adapters loaded into the engine, several in one batch; what state
+they may share is engine/adapters.py's rule.
 """
 
 import time
@@ -20,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kmesh.compute.executor import Executor
-from kmesh.compute.lora import LoraAdapter, LoraUse
+from kmesh.compute.lora import LoraAdapter
+from kmesh.engine.adapters import Adapters
 from kmesh.engine.kv_manager import KVCacheManager, blocks_for
 from kmesh.engine.request import Request, RequestOutput
 from kmesh.engine.runner import ModelRunner
@@ -78,13 +76,7 @@ class Engine:
             )
         self.executor = executor
         self.config = executor.config
-        self.adapters: dict[str, LoraAdapter] = {}
-        for adapter in adapters:
-            if adapter.name in self.adapters:
-                raise InvalidRequestError(
-                    f"two adapters are named {adapter.name!r}: give each its own name"
-                )
-            self.adapters[adapter.name] = adapter
+        self.adapters = Adapters(adapters)
         num_blocks = blocks_for(kv_cache_tokens, block_size)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, executor.dtype)
         if store is not None and not prefix_caching:
@@ -148,8 +140,7 @@ class Engine:
         if request.parent_id is None:
             if request.retain:
                 self.families.add_state(request.request_id)
-            lora = LoraUse.of(self._adapter(request), request.prompt_ids)
-            seq = Sequence.from_request(request, lora=lora)
+            seq = Sequence.from_request(request, lora=self.adapters.use(request))
             if request.recovery is not None:
                 refusal = recovery_refusal(
                     request.recovery.spec, request.tenant_salt, request.adapter
@@ -226,12 +217,7 @@ class Engine:
         return [done[request_id] for request_id in order]
 
     def _check(self, request: Request) -> None:
-        if request.adapter is not None and request.adapter not in self.adapters:
-            loaded = ", ".join(sorted(self.adapters)) or "none"
-            raise InvalidRequestError(
-                f"adapter {request.adapter!r} is not loaded (loaded: {loaded}): name a loaded "
-                "adapter, or leave it out for the base model"
-            )
+        self.adapters.check(request)
         if request.request_id in self._live_ids or request.request_id in self._retained:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         if self.families.trunk_family(request.request_id) is not None and not request.retain:
@@ -240,7 +226,7 @@ class Engine:
                 "retain=True so its branches can fork it"
             )
         early_forks = self._queued_forks.get(request.request_id, [])
-        if any(not self._may_fork(fork, request.adapter) for fork in early_forks):
+        if any(not self.adapters.may_fork(fork, request.adapter) for fork in early_forks):
             raise ContractError(
                 f"trunk {request.request_id!r} runs under adapter {request.adapter!r}, which "
                 "branches already sent for it may not fork: state never crosses adapters"
@@ -264,7 +250,7 @@ class Engine:
                     "tenant salt: state never crosses tenants"
                 )
             parent_adapter = self._state_adapters.get(request.parent_id, request.adapter)
-            if not self._may_fork(request, parent_adapter):
+            if not self.adapters.may_fork(request, parent_adapter):
                 raise ContractError(
                     f"request {request.request_id!r} (adapter {request.adapter!r}) forks "
                     f"{request.parent_id!r} (adapter {parent_adapter!r}): state never crosses "
@@ -299,33 +285,11 @@ class Engine:
                 "kv_cache_tokens or lower max_tokens"
             )
 
-    def _adapter(self, request: Request) -> LoraAdapter | None:
-        return None if request.adapter is None else self.adapters[request.adapter]
-
-    def _may_fork(self, request: Request, parent_adapter: str | None) -> bool:
-        """Whether `request` may fork a state computed under `parent_adapter`: the same adapter,
-        or an activated adapter forking a base-model state it leaves unchanged (its invocation
-        lies wholly in the fork's own tokens, so the adapter applies only after the trunk)."""
-        if request.adapter == parent_adapter:
-            return True
-        adapter = self._adapter(request)
-        if parent_adapter is not None or adapter is None or not adapter.activated:
-            return False
-        return adapter.activation_start(request.prompt_ids) is not None
-
-    def _fork_lora(self, request: Request, parent: Sequence) -> LoraUse | None:
-        """A fork continues its parent's state, so under the parent's adapter it keeps the
-        parent's activation, as generated tokens do; an activated adapter forking a base trunk
-        applies from its invocation in the fork's own tokens (_forks_base_trunk)."""
-        if request.adapter == parent.request.adapter:
-            return parent.lora
-        use = LoraUse.of(self._adapter(request), request.prompt_ids)
-        assert use is not None
-        return LoraUse(use.adapter, len(parent.token_ids) + use.start)
-
     def _start_fork(self, request: Request) -> None:
         parent = self._retained[request.parent_id or ""]
-        seq = Sequence.from_request(request, parent.token_ids, self._fork_lora(request, parent))
+        seq = Sequence.from_request(
+            request, parent.token_ids, self.adapters.fork_use(request, parent)
+        )
         if len(seq.token_ids) >= self.config.max_position:
             # The parent's tokens and the fork's own fill the context: nothing to generate.
             seq.finish_reason = "length"
