@@ -39,6 +39,10 @@ def test_model_info_names_the_cache_and_config():
         (["model", "info", "--model", "/no/such/model"], "does not exist"),
         (["bench", "vllm-family", "--instances", "0", "--json", "x.json"], "--instances"),
         (["bench", "vllm-family", "--model", "/no/such/model", "--json", "x.json"], "not exist"),
+        (["bench", "lora", "--agents", "4,x", "--json", "x.json"], "--agents takes agent counts"),
+        (["bench", "lora", "--agents", "0", "--json", "x.json"], "at least 1"),
+        (["bench", "lora", "--engine", "vllm", "--json", "x.json"], "docs/LORA.md"),
+        (["adapters", "prepare", "--count", "0"], "--count must be at least 1"),
     ],
 )
 def test_bad_input_gets_one_clear_line_and_no_traceback(args, message):

@@ -205,7 +205,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
             raise InvalidRequestError("--gate and --no-gate cannot be combined")
         given["gate"] = None
     cfg = AllGatherBenchConfig(**given)
-    scale = _agent_counts(args.scale)
+    scale = agent_counts(args.scale)
     workload = None
     if args.trace is not None:
         fixed = [f"--{n}" for n in ("agents", "rounds", "order") if getattr(args, n) is not None]
@@ -362,17 +362,18 @@ def _store_serve(args: argparse.Namespace) -> None:
     serve(args.socket, capacity, lease=args.lease, on_ready=ready)
 
 
-def _agent_counts(text: str | None) -> list[int]:
+def agent_counts(text: str | None, flag: str = "--scale", minimum: int = 2) -> list[int]:
+    """Agent counts given as "4,8,16" to `flag` (none when the flag is absent)."""
     if text is None:
         return []
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
         raise InvalidRequestError(
-            f"--scale takes agent counts separated by commas, like 4,8,16; got {text!r}"
+            f"{flag} takes agent counts separated by commas, like 4,8,16; got {text!r}"
         ) from None
-    if any(n < 2 for n in counts):
-        raise InvalidRequestError("--scale agent counts must be at least 2")
+    if any(n < minimum for n in counts):
+        raise InvalidRequestError(f"{flag} agent counts must be at least {minimum}")
     return counts
 
 

@@ -9,18 +9,6 @@ from kmesh.errors import InvalidRequestError
 KINDS = ("lora", "activated")
 
 
-def _agent_counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise InvalidRequestError(
-            f"--agents takes comma-separated counts such as 4,8,16, got {text!r}"
-        ) from None
-    if not counts or min(counts) < 1:
-        raise InvalidRequestError(f"--agents counts must be >= 1, got {text!r}")
-    return counts
-
-
 def _prepare(args: argparse.Namespace) -> None:
     from kmesh.adapters.prepare import ensure_adapters
 
@@ -44,7 +32,7 @@ def _bench_lora(args: argparse.Namespace) -> None:
 
     from kmesh.bench.lora import LoraBench, LoraBenchConfig, run_lora_bench
     from kmesh.bench.lora_report import plot, print_report
-    from kmesh.cli import write_json
+    from kmesh.cli import agent_counts, write_json
     from kmesh.compute.loader import load_model
     from kmesh.recovery.adapter_residual import ResidualConfig
 
@@ -53,7 +41,7 @@ def _bench_lora(args: argparse.Namespace) -> None:
             "kmesh bench lora runs on the reference engine only for now: vLLM's side is "
             "described in docs/LORA.md"
         )
-    agents = _agent_counts(args.agents)
+    agents = tuple(agent_counts(args.agents, "--agents", 1))
     if args.context_tokens < 64:
         raise InvalidRequestError(
             f"--context-tokens must be at least 64, got {args.context_tokens}"
