@@ -25,6 +25,7 @@ from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.errors import InvalidRequestError
 from kmesh.state.segments import Role, Segment, SegmentedPrompt
+from kmesh.workloads.chatml import ChatML
 
 ORDERS = ("same", "rotate", "shuffle")
 
@@ -132,20 +133,6 @@ def _persona_text(cfg: AllGatherConfig, agent: int) -> str:
     return f"You are member {agent + 1}, {who}. {concern} {notes}"
 
 
-class _Chat:
-    """Messages in ChatML, the embedded model's chat template, tokenized one at a time (a test
-    checks this equals the tokenizer's own template on the same messages)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-
-    def tokens(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def message(self, role: str, content: str) -> tuple[int, ...]:
-        return self.tokens(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-
-
 class Council:
     """The council's prompts round by round, each round built from the outputs given for the
     earlier ones: the trace generator feeds it the reference engine's outputs, a closed-loop
@@ -153,7 +140,7 @@ class Council:
 
     def __init__(self, cfg: AllGatherConfig, tokenizer: Any) -> None:
         self.cfg = cfg
-        self._chat = chat = _Chat(tokenizer)
+        self._chat = chat = ChatML(tokenizer)
         self._system = Segment(
             chat.message("system", SYSTEM), Role.SHARED, "system", SYSTEM, "system"
         )
@@ -177,7 +164,7 @@ class Council:
             ask = f"Round {r + 1}. Member {a + 1}, give your proposal in one or two sentences."
             segments.append(
                 Segment(
-                    chat.message("user", ask) + chat.tokens("<|im_start|>assistant\n"),
+                    chat.message("user", ask) + chat.generation_prompt(),
                     Role.INSTRUCTION,
                     f"ask-{r}-{a}",
                     ask,

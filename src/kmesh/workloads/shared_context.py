@@ -21,6 +21,7 @@ from kmesh.compute.embedded import cache_dir
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.errors import InvalidRequestError
+from kmesh.workloads.chatml import ChatML
 
 TOPICS = (
     "the water supply of a small town",
@@ -62,10 +63,6 @@ REPORT_TOKENS = 160
 _VERSION = "shared-context-v1"
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def shared_context(
     engine: Engine, tokenizer: Any, context_tokens: int, seed: int = 0
 ) -> tuple[int, ...]:
@@ -86,8 +83,9 @@ def shared_context(
 
 
 def _write_notes(engine: Engine, tokenizer: Any, context_tokens: int, seed: int) -> tuple[int, ...]:
-    head = _ids(tokenizer, "<|im_start|>system\nShared notes:\n")
-    tail = _ids(tokenizer, "<|im_end|>\n")
+    chat = ChatML(tokenizer)
+    head = chat.tokens("<|im_start|>system\nShared notes:\n")
+    tail = chat.tokens("<|im_end|>\n")
     body_tokens = context_tokens - len(head) - len(tail)
     if body_tokens < 1:
         raise InvalidRequestError(
@@ -101,31 +99,26 @@ def _write_notes(engine: Engine, tokenizer: Any, context_tokens: int, seed: int)
     requests = [
         Request(
             f"notes-{i}",
-            tuple(
-                _ids(
-                    tokenizer,
-                    f"<|im_start|>user\nWrite a short report on {topic}.<|im_end|>\n"
-                    "<|im_start|>assistant\n",
-                )
-            ),
+            chat.message("user", f"Write a short report on {topic}.") + chat.generation_prompt(),
             params,
         )
         for i, topic in enumerate(topics[:needed])
     ]
-    body: list[int] = []
+    body: tuple[int, ...] = ()
     for i, out in enumerate(engine.generate(requests)):
         text = tokenizer.decode(list(out.output_ids), skip_special_tokens=True).strip()
-        body += _ids(tokenizer, f"Report {i + 1}: {text}\n")
+        body += chat.tokens(f"Report {i + 1}: {text}\n")
     if len(body) < body_tokens:
         raise InvalidRequestError(
             f"the notes hold {len(body)} tokens, fewer than the {body_tokens} asked for: "
             "lower context_tokens"
         )
-    return tuple(head + body[:body_tokens] + tail)
+    return head + body[:body_tokens] + tail
 
 
 def agent_tokens(tokenizer: Any, agent: int, invocation: Sequence[int] | None) -> tuple[int, ...]:
     """Agent `agent`'s question, then the generation prompt (plain) or its invocation."""
-    question = _ids(tokenizer, f"<|im_start|>user\n{QUESTIONS[agent % len(QUESTIONS)]}<|im_end|>\n")
-    ending = _ids(tokenizer, "<|im_start|>assistant\n") if invocation is None else list(invocation)
-    return tuple(question + ending)
+    chat = ChatML(tokenizer)
+    question = chat.message("user", QUESTIONS[agent % len(QUESTIONS)])
+    ending = chat.generation_prompt() if invocation is None else tuple(invocation)
+    return question + ending
