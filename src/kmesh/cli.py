@@ -198,6 +198,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         "agent_ratio",
         "check_layer",
         "gate",
+        "gate_sample",
     )
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.no_gate:
@@ -505,6 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="quality gate: mean relative key deviation at the check layer above which a region "
         "is fully recomputed (default 0.1)",
+    )
+    gather.add_argument(
+        "--gate-sample",
+        type=float,
+        default=None,
+        help="share of each region's reused tokens the gate checks when no policy scores them "
+        "all (collective at --agent-ratio 0; default 0.125)",
     )
     gather.add_argument("--no-gate", action="store_true", help="no quality gate")
     gather.add_argument(

@@ -121,3 +121,31 @@ def test_a_round_without_a_family_or_with_unknown_segments_is_refused(make_tiny_
     )
     with pytest.raises(InvalidRequestError, match="no span has"):
         engine.add_request(stray)
+
+
+def test_a_kept_output_is_reused_by_a_later_readers_recovery(make_tiny_engine):
+    engine = make_tiny_engine()
+    author = Request("author", tuple(SYSTEM), GREEDY, SALT, keep_output=True)
+    said = engine.generate([author])[0].output_ids
+    header = random_tokens(3, seed=8)
+    ids = [*PRIVATE[0], *header, *said, *ASK]
+    spans = (
+        SegmentSpan(0, len(PRIVATE[0]), "private", "p0"),
+        SegmentSpan(len(PRIVATE[0]), len(PRIVATE[0]) + len(header) + len(said), "shared", "said"),
+        SegmentSpan(len(ids) - len(ASK), len(ids), "instruction", "ask"),
+    )
+    spec = RecoverySpec(policy="none", gate=None)
+    reader = Request(
+        "reader", tuple(ids), GREEDY, SALT, recovery=RecoveryRequest(spans, spec, None)
+    )
+    report = engine.generate([reader])[0].stats.recovery
+    assert report is not None and report["reused_tokens"] == len(said) - 1  # the last: no KV
+    elsewhere = Request(
+        "elsewhere",
+        tuple(ids),
+        GREEDY,
+        "kmesh-approx:other",
+        recovery=RecoveryRequest(spans, spec, None),
+    )
+    other = engine.generate([elsewhere])[0].stats.recovery
+    assert other is not None and other["reused_tokens"] == 0  # kept outputs stay in their tenant

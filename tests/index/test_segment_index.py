@@ -1,6 +1,6 @@
 import pytest
 
-from kmesh.index.segment_index import SegmentIndex
+from kmesh.index.segment_index import AUTHOR, FIRST_READER, SegmentIndex
 from kmesh.state.keys import KeyNamespace
 
 MODEL = KeyNamespace("model-a")
@@ -45,3 +45,28 @@ def test_finished_rounds_are_dropped_together():
 def test_empty_segments_are_refused():
     with pytest.raises(ValueError, match="at least one token"):
         SegmentIndex(MODEL).put([], "author", 0, "x")
+
+
+def test_an_entry_is_found_inside_a_longer_segment_longest_first():
+    index: SegmentIndex[str] = SegmentIndex(MODEL)
+    index.put([5, 6, 7, 8], AUTHOR, 0, "short")
+    index.put([5, 6, 7, 8, 9, 10], AUTHOR, 0, "long")
+    index.put([1, 2, 3, 4], FIRST_READER, 0, "other context")
+    header, closing = [1, 2, 3, 4], [0, 0]
+    found = index.find_within([*header, 5, 6, 7, 8, 9, 10, *closing], AUTHOR)
+    assert found is not None
+    offset, entry = found
+    assert (offset, entry.value, entry.token_ids) == (4, "long", (5, 6, 7, 8, 9, 10))
+    assert index.find_within([5, 6, 7, 9, 10], AUTHOR) is None  # only whole entries match
+    assert index.find_within([1, 2, 3, 4], AUTHOR) is None  # another context's entry
+
+
+def test_a_discarded_or_dropped_entry_is_no_longer_found_inside_others():
+    index: SegmentIndex[str] = SegmentIndex(MODEL)
+    index.put([5, 6, 7, 8], AUTHOR, 0, "a")
+    index.put([5, 6, 7, 8, 9], AUTHOR, 1, "b")
+    assert index.discard([5, 6, 7, 8, 9], AUTHOR)
+    found = index.find_within([0, 5, 6, 7, 8, 9], AUTHOR)
+    assert found is not None and found[1].value == "a"
+    assert index.drop_rounds_before(1) == 1
+    assert index.find_within([0, 5, 6, 7, 8, 9], AUTHOR) is None

@@ -104,6 +104,47 @@ def test_the_quality_gate_falls_back_to_full_recomputation(tiny):
     assert len(good.recomputed) == round(0.1 * 24)
 
 
+def test_a_sampled_gate_checks_a_share_of_the_reused_tokens_and_still_falls_back(tiny):
+    executor, _ = tiny
+    layers = executor.config.num_layers
+    tokens = random_tokens(PREFIX + REGION, seed=4)
+    k, v, logits = _full(executor, tokens)
+    sampled = RecoveryConfig("none", 0.0, gate=0.5, gate_sample=0.25)
+    good = recover(executor, [_region(executor, tokens, "exact")], sampled)[0]
+    # 6 of the 24 reused tokens and the 6 new ones through the check layers 0..1, the new ones on
+    assert good.computed_tokens == pytest.approx((6 + 6) * 2 / layers + 6 * (layers - 2) / layers)
+    assert not good.fell_back and good.deviation is not None and good.deviation < 1e-3
+    torch.testing.assert_close(good.k, k[:, PREFIX:], atol=ATOL, rtol=0)
+    assert good.last_hidden is not None
+    torch.testing.assert_close(
+        executor.logits(good.last_hidden[None])[0], logits, atol=ATOL, rtol=0
+    )
+    bad = recover(executor, [_region(executor, tokens, "garbage")], sampled)[0]
+    assert bad.fell_back and bad.deviation is not None and bad.deviation > 0.5
+    torch.testing.assert_close(bad.k, k[:, PREFIX:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(bad.v, v[:, PREFIX:], atol=ATOL, rtol=0)
+
+
+def test_a_sampled_gate_leaves_unchecked_reused_tokens_as_they_were(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=8)
+    region = _region(executor, tokens, "garbage")
+    out = recover(executor, [region], RecoveryConfig("none", 0.0, gate=None, gate_sample=0.25))[0]
+    assert out.deviation is None  # no gate: nothing is checked
+    gated = RecoveryConfig("none", 0.0, gate=10.0, gate_sample=0.25)
+    out = recover(executor, [region], gated)[0]
+    checked = torch.nonzero(region.reusable)[:, 0][torch.linspace(0, 23, 6).round().long()]
+    unchecked = region.reusable.clone()
+    unchecked[checked] = False
+    assert torch.equal(out.k[:, unchecked], region.reused_k[:, unchecked])
+    assert not torch.equal(out.k[:2, checked], region.reused_k[:2, checked])  # fresh at 0..1
+    # kv_deviation with a budget scores every token: the sample share does not apply
+    scored = recover(executor, [region], RecoveryConfig("kv_deviation", 0.25, gate_sample=0.25))[0]
+    assert scored.computed_tokens == pytest.approx(
+        recover(executor, [region], RecoveryConfig("kv_deviation", 0.25))[0].computed_tokens
+    )
+
+
 def test_block_granularity_recomputes_whole_blocks_and_keeps_the_rest(tiny):
     executor, _ = tiny
     tokens = random_tokens(PREFIX + REGION, seed=5)
@@ -134,5 +175,7 @@ def test_bad_configs_are_refused():
         RecoveryConfig("kv_deviation", 0.1, check_layer=0)
     with pytest.raises(ValueError, match="ratio"):
         RecoveryConfig("first_k", 1.5)
+    with pytest.raises(ValueError, match="sample share"):
+        RecoveryConfig("none", 0.0, gate_sample=0.0)
     with pytest.raises(ValueError, match="unknown recovery policy"):
         RecoveryConfig("magic", 0.1)

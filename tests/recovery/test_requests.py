@@ -105,7 +105,7 @@ def test_a_later_reader_reuses_stored_segments_rerotated_to_its_positions(model)
     torch.testing.assert_close(outcome.k[:, rows], moved, atol=1e-5, rtol=1e-4)
 
 
-def test_a_segment_crossing_into_vllms_block_is_computed_whole_by_its_first_reader(model):
+def test_a_segment_crossing_past_the_claim_is_computed_whole_by_its_first_reader(model):
     executor, fingerprint = model
     recovery = RequestRecovery(executor, fingerprint)
     ids, spans = prompt(
@@ -118,6 +118,32 @@ def test_a_segment_crossing_into_vllms_block_is_computed_whole_by_its_first_read
     torch.testing.assert_close(outcome.k, pages.k[:, work.start : work.end], atol=1e-5, rtol=1e-4)
     later, _, _ = run(recovery, executor, *prompt("ba"), NONE, request_id="r2")
     assert later.report.reused_tokens == len(A) + len(B)  # b was stored whole
+
+
+def test_a_kept_output_is_reused_inside_the_segment_that_wraps_it_and_its_header_computed(model):
+    executor, fingerprint = model
+    recovery = RequestRecovery(executor, fingerprint)
+    # A's author generated A[2:] after its own prompt (its rows 30..35 there); every reader's
+    # segment "a" wraps it in a 2-token header.
+    author = ExactPages(executor, [*range(90, 120), *A[2:]])
+    body = torch.arange(30, 30 + len(A) - 2)
+    k, v = author.read(None, body)
+    recovery.keep_output(SALT, A[2:], k, v, 30)
+    ids, spans = prompt("ab")
+    outcome, _, work = run(recovery, executor, ids, spans, NONE)
+    assert outcome.report.reused_tokens == len(A) - 2  # b is stored nowhere: computed
+    assert outcome.report.computed_tokens == (work.end - work.start) - (len(A) - 2)
+    a = span(spans, "a")
+    moved = rerotate_keys(k, body, torch.arange(a.start + 2, a.end), executor.config)
+    rows = slice(a.start + 2 - work.start, a.end - work.start)
+    torch.testing.assert_close(outcome.k[:, rows], moved, atol=1e-5, rtol=1e-4)
+    assert torch.equal(outcome.v[:, rows], v)
+    # a held reused rows, so this reader does not file it as a first reader: the next one
+    # reuses the author's KV too (b it stored whole).
+    later, _, _ = run(recovery, executor, *prompt("ba", private="y"), NONE, request_id="r2")
+    assert later.report.reused_tokens == len(A) - 2 + len(B)
+    other, _, _ = run(recovery, executor, ids, spans, NONE, tenant="kmesh-approx:other")
+    assert other.report.reused_tokens == 0  # kept outputs stay in their tenant
 
 
 def test_policy_full_recomputes_reused_segments_exactly(model):
@@ -195,11 +221,11 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, ma
     assert report.master_bytes == 0 and report.reused_tokens == len(A) + len(B)
 
 
-def test_a_master_sibling_computes_a_round_segment_reaching_into_vllms_block_whole(model):
+def test_a_master_sibling_computes_a_round_segment_reaching_past_the_claim_whole(model):
     executor, fingerprint = model
     recovery = RequestRecovery(executor, fingerprint)
     spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["a", "b"]))
-    ids, spans = prompt("ab", private="y", ask=[60])  # b ends in the block vLLM computes
+    ids, spans = prompt("ab", private="y", ask=[60])  # b ends past the claim
     work = job(ids, spans, spec, family="f")
     assert work.end < span(spans, "b").end
     outcome = recovery.run([work], ExactPages(executor, ids))["r"]

@@ -132,7 +132,24 @@ def approximate(run: Any, named: dict[str, list[int]]) -> dict[str, Any]:
     out["gated"] = run("swapped", salt=salt, kmesh=gated)
     # Approximate without an approximate salt: refused, computed exactly.
     out["refused"] = run("swapped", kmesh=none)
+    out |= kept_output(run, named)
     return out
+
+
+def kept_output(run: Any, named: dict[str, list[int]]) -> dict[str, Any]:
+    """An author keeps its generated tokens' KV; a later reader's segment that wraps them (a
+    header before) reuses it without anyone having computed it as a prompt."""
+    salt = "kmesh-approx:kept"
+    author = run("short", salt=salt, kmesh={"keep_output": True})
+    header = named["other"]
+    named["reader"] = named["short"] + header + author["ids"] + named["short"]
+    segments = [
+        {"token_ids": named["short"], "role": "private"},
+        {"token_ids": header + author["ids"], "role": "shared", "id": "said"},
+        {"token_ids": named["short"], "role": "instruction"},
+    ]
+    reader = {"segments": segments, "recovery": {"policy": "none", "gate": None}}
+    return {"kept_author": author, "kept_reader": run("reader", salt=salt, kmesh=reader)}
 
 
 def vanilla(lora: dict, options: dict) -> dict[str, Any]:

@@ -48,6 +48,13 @@ def side(store) -> SchedulerSide:
     return scheduler
 
 
+def finish(scheduler: SchedulerSide, req, block_ids=(3, 4, 5)) -> dict:
+    """vLLM finishes the request: its stats (its blocks are freed at once)."""
+    delay_free, stats = scheduler.request_finished(req, list(block_ids))
+    assert not delay_free
+    return stats
+
+
 def compute(scheduler: SchedulerSide, req, tokens: int) -> None:
     """vLLM computes `tokens` of the request; the worker copies the saved blocks; the scheduler
     commits them."""
@@ -75,14 +82,14 @@ def test_the_first_engine_computes_and_publishes_the_next_restores(store):
     req = request("a")
     assert first.get_num_new_matched_tokens(req, 0) == (0, False)
     compute(first, req, len(PROMPT))
-    assert first.request_finished(req)["computed_tokens"] == len(PROMPT)
+    assert finish(first, req)["computed_tokens"] == len(PROMPT)
 
     other = request("b")
     assert second.get_num_new_matched_tokens(other, 0) == (2 * BLOCK, False)
     second.update_state_after_alloc(other, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
     meta = second.build_connector_meta(NOTHING_SCHEDULED)
     assert [load.block_id for load in meta.loads] == [3, 4]
-    stats = second.request_finished(other)
+    stats = finish(second, other)
     assert stats == {
         "prompt_tokens": 11,
         "reused_tokens": 0,
@@ -106,7 +113,7 @@ def test_a_leader_that_finishes_without_computing_hands_its_claims_over(store):
     first, second = side(store), side(store)
     req = request("a")
     first.get_num_new_matched_tokens(req, 0)
-    first.request_finished(req)  # e.g. aborted before it was scheduled
+    finish(first, req)  # e.g. aborted before it was scheduled
     assert second.get_num_new_matched_tokens(request("b"), 0) == (0, False)  # now leads
     assert len(second._requests["b"].lead) == 2
 
@@ -132,26 +139,29 @@ def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
     with StoreClient(store.socket) as client:
         assert client.stats()["pinned"] == 2
         scheduler.get_num_new_matched_tokens(two, 0)
-        assert scheduler.request_finished(one)["family"] == "f"
+        assert finish(scheduler, one)["family"] == "f"
         assert client.stats()["pinned"] == 2
-        scheduler.request_finished(two)
+        finish(scheduler, two)
         assert client.stats()["pinned"] == 0
 
 
-def test_a_recovery_request_claims_its_full_blocks_after_the_local_hit(store):
+def test_a_recovery_request_claims_every_row_after_the_local_hit_but_the_last(store):
     scheduler = side(store)
     req = request("a", kmesh={"recovery": {"policy": "full"}})
-    assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (BLOCK, False)  # block 1
-    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 4)
+    claim = len(PROMPT) - 1 - BLOCK  # not a whole number of blocks: vLLM computes the last row
+    assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (claim, False)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],))
+    scheduler.update_state_after_alloc(req, blocks, claim)
     meta = scheduler.build_connector_meta(NOTHING_SCHEDULED)
     (job,) = meta.recoveries
-    assert (job.token_ids, job.block_ids, job.start, job.end) == (PROMPT, [3, 4, 5], BLOCK, 8)
+    end = len(PROMPT) - 1
+    assert (job.token_ids, job.block_ids, job.start, job.end) == (PROMPT, [3, 4, 5], BLOCK, end)
     assert meta.loads == meta.saves == []  # recovery does not use the store
-    stats = scheduler.request_finished(req)
+    stats = finish(scheduler, req)
     assert (stats["reused_tokens"], stats["recovered_tokens"], stats["computed_tokens"]) == (
-        4,
-        4,
-        3,
+        BLOCK,
+        claim,
+        1,
     )
 
 
@@ -164,37 +174,41 @@ APPROXIMATE = {"recovery": {"policy": "kv_deviation", "ratio": 0.3}}
         (None, None, 0),  # approximate state under no salt would reach exact requests
         ("tenant-1", None, 0),  # ... or under a tenant's ordinary salt
         ("kmesh-approx:t1", "x", 0),  # executor runs the base model only
-        ("kmesh-approx:t1", None, 2 * BLOCK),
+        ("kmesh-approx:t1", None, len(PROMPT) - 1),
     ],
 )
 def test_approximate_recovery_is_served_only_under_an_approximate_salt(store, salt, lora, claimed):
     scheduler = side(store)
     req = request("a", salt=salt, lora=lora, kmesh=APPROXIMATE)
     assert scheduler.get_num_new_matched_tokens(req, 0) == (claimed, False)
-    stats = scheduler.request_finished(req)
+    stats = finish(scheduler, req)
     assert ("refused" in stats.get("recovery", {})) == (claimed == 0)
 
 
 def claimed_for_recovery(store):
-    """A scheduler side whose approximate request has its 2 full blocks claimed for recovery."""
+    """A scheduler side whose approximate request has every row but its last claimed for
+    recovery (its last block partly)."""
     scheduler = side(store)
     req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
-    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 8)
+    claim = len(PROMPT) - 1
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (claim, False)
+    scheduler.update_state_after_alloc(
+        req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), claim
+    )
     scheduler.build_connector_meta(NOTHING_SCHEDULED)
     return scheduler, req
 
 
 def test_a_recovery_given_back_by_the_worker_is_computed_by_vllm(store):
     scheduler, req = claimed_for_recovery(store)
-    scheduler.load_failed({3, 4})  # the gate (or a failure) gave the claimed blocks back
-    stats = scheduler.request_finished(req)
+    scheduler.load_failed({3, 4, 5})  # the gate (or a failure) gave the claimed blocks back
+    stats = finish(scheduler, req)
     assert (stats["recovered_tokens"], stats["computed_tokens"]) == (0, len(PROMPT))
 
 
 def test_a_report_of_a_request_finished_in_the_same_step_reaches_its_stats(store):
     scheduler, req = claimed_for_recovery(store)
-    stats = scheduler.request_finished(req)  # vLLM finishes it before it passes the reports on
+    stats = finish(scheduler, req)  # vLLM finishes it before it passes the reports on
     report = RecoveryReport(5.5, 0.0, 0, 0, 3, 0.02, False)
     scheduler.recovery_reports({"a": report})
     assert stats["recovery"]["computed_tokens"] == 5.5
@@ -206,7 +220,7 @@ def test_without_a_store_vllm_computes_everything(tmp_path):
     req = request("a")
     assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
     assert not scheduler.available
-    assert scheduler.request_finished(req)["computed_tokens"] == len(PROMPT)
+    assert finish(scheduler, req)["computed_tokens"] == len(PROMPT)
 
 
 def worker(store) -> tuple[WorkerSide, list[torch.Tensor]]:
@@ -257,12 +271,12 @@ def test_hits_stay_pinned_until_the_request_that_loads_them_finishes(store):
     req = request("a")
     first.get_num_new_matched_tokens(req, 0)
     compute(first, req, len(PROMPT))
-    first.request_finished(req)
+    finish(first, req)
     other = request("b")
     second.get_num_new_matched_tokens(other, 0)
     with StoreClient(store.socket) as client:
         assert client.stats()["pinned"] == 2  # not evictable before the worker loads them
-        second.request_finished(other)
+        finish(second, other)
         assert client.stats()["pinned"] == 0
 
 
@@ -272,3 +286,71 @@ def test_worker_without_an_attached_model_gives_claimed_blocks_back_to_vllm(stor
     job = RecoverTokens("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
     side.recover(KMeshConnectorMetadata(recoveries=[job]), attention_layers={})
     assert side.take_load_errors() == {4}  # block 1 of the request: rows [4, 8)
+
+
+def finished_generating(request_id: str, output: list[int], **kwargs):
+    """A request that generated `output` (every token but the last fed back: computed)."""
+    req = request(request_id, **kwargs)
+    req.output_token_ids = output
+    req.num_computed_tokens = len(PROMPT) + len(output) - 1
+    return req
+
+
+def test_a_request_keeping_its_output_holds_its_blocks_until_the_worker_read_its_rows(store):
+    scheduler = side(store)
+    req = finished_generating("a", [7, 8, 9], kmesh={"keep_output": True})
+    scheduler.get_num_new_matched_tokens(req, 0)
+    delay_free, stats = scheduler.request_finished(req, [3, 4, 5, 6])
+    assert delay_free and stats["kept_output_tokens"] == 2
+    (out,) = scheduler.build_connector_meta(NOTHING_SCHEDULED).outputs
+    assert (out.request_id, out.token_ids, out.block_ids, out.start) == (
+        "a",
+        [7, 8],  # the last generated token was never fed back: it has no KV
+        [3, 4, 5, 6],
+        len(PROMPT),
+    )
+    assert scheduler.build_connector_meta(NOTHING_SCHEDULED).outputs == []  # sent once
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"kmesh": None}, {"kmesh": {"keep_output": True}, "lora": "x"}],
+    ids=["not asked", "LoRA"],
+)
+def test_an_output_is_not_kept_unless_asked_and_never_under_an_adapter(store, kwargs):
+    scheduler = side(store)
+    req = finished_generating("a", [7, 8, 9], **kwargs)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    delay_free, stats = scheduler.request_finished(req, [3, 4, 5, 6])
+    assert not delay_free and "kept_output_tokens" not in stats
+    assert scheduler.build_connector_meta(NOTHING_SCHEDULED).outputs == []
+
+
+class _KeptOutputs:
+    """Stands in for RequestRecovery: records what the worker keeps."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple] = []
+
+    def keep_output(self, tenant, token_ids, k, v, start) -> None:
+        self.kept.append((tenant, token_ids, k, v, start))
+
+
+def test_the_worker_keeps_a_finished_requests_generated_rows_then_releases_its_blocks(store):
+    from kmesh.vllm.metadata import KeepOutput
+    from kmesh.vllm.pages import Pages
+
+    side, layers = worker(store)
+    out = KeepOutput("a", "kmesh-approx:t", [7, 8], [3, 4, 5, 1], len(PROMPT))
+    metadata = KMeshConnectorMetadata(outputs=[out])
+    side.keep_outputs(metadata)  # no recovery attached: nothing kept, blocks released anyway
+    assert side.take_kept() == {"a"} and side.take_kept() == set()
+    kept = _KeptOutputs()
+    side.attach_recovery(kept)  # type: ignore[arg-type]
+    side.keep_outputs(metadata)
+    assert side.take_kept() == {"a"}
+    ((tenant, tokens, k, v, start),) = kept.kept
+    positions = torch.arange(len(PROMPT), len(PROMPT) + 2)  # rows 11, 12: blocks 5 and 1
+    want_k, want_v = Pages(layers, LAYERS, BLOCK).read([3, 4, 5, 1], positions)
+    assert (tenant, tokens, start) == ("kmesh-approx:t", [7, 8], len(PROMPT))
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)

@@ -44,7 +44,7 @@ from kmesh.bench.quality import Quality, greedy_decode
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.errors import InvalidRequestError
-from kmesh.index.segment_index import SegmentIndex
+from kmesh.index.segment_index import AUTHOR, SegmentIndex
 from kmesh.kv.master_mirror import kv_digest, restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.collective import (
@@ -68,7 +68,6 @@ from kmesh.workloads.allgather import (
 )
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
-AUTHOR = "author"  # segment-index context of an output's KV computed after its author's prompt
 COMPUTE_ALL = RecoveryConfig("full", 1.0)
 
 
@@ -88,6 +87,8 @@ class AllGatherBenchConfig:
     # Quality gate: a region whose mean relative key deviation at the check layer exceeds this is
     # recomputed in full. Normal reuse on the embedded model deviates 0.006-0.022; garbage ~1.
     gate: float | None = 0.1
+    # Share of a region's reused tokens the gate checks when no policy scores them all (recover.py).
+    gate_sample: float = 0.125
     block_size: int = 16
     greedy_tokens: int = 32
 
@@ -111,12 +112,18 @@ class AllGatherBenchConfig:
             )
         if self.gate is not None and self.gate < 0:
             raise InvalidRequestError(f"--gate must be >= 0, got {self.gate}")
+        if not 0.0 < self.gate_sample <= 1.0:
+            raise InvalidRequestError(
+                f"--gate-sample must be above 0 and at most 1, got {self.gate_sample}"
+            )
         if self.block_size < 1 or self.greedy_tokens < 1:
             raise InvalidRequestError("block size and greedy tokens must be at least 1")
 
     def recovery(self, ratio: float) -> RecoveryConfig:
         policy = "full" if ratio >= 1.0 else self.policy
-        return RecoveryConfig(policy, ratio, self.check_layer, self.gate)
+        return RecoveryConfig(
+            policy, ratio, self.check_layer, self.gate, gate_sample=self.gate_sample
+        )
 
 
 @dataclass(slots=True)
@@ -263,6 +270,7 @@ class AllGatherBench:
             "agent_ratio": cfg.agent_ratio,
             "check_layer": cfg.check_layer,
             "gate": cfg.gate,
+            "gate_sample": cfg.gate_sample,
             "block_size": cfg.block_size,
             "greedy_tokens": cfg.greedy_tokens,
             "model": self.fingerprint,
@@ -447,20 +455,21 @@ class AllGatherBench:
 
     def _output_reuse(self, r: int, author: int, reader: AgentTurn) -> SharedSegment:
         """Round r's output of `author` as read in `reader`'s prompt: its stored (author-context)
-        KV on the generated tokens, nothing on the header and closing tokens."""
+        KV on the generated tokens, nothing on the header and closing tokens (nor on an output
+        too short for the index to find inside a segment: computed)."""
         wanted = output_segment_id(r, author)
         segment = next(s for s in reader.prompt.segments if s.segment_id == wanted)
-        body = self.rounds[r][author].output_ids
         tokens = segment.token_ids
-        offset = next(
-            i for i in range(len(tokens) - len(body) + 1) if tokens[i : i + len(body)] == body
-        )
-        stored = self.index.get(body, AUTHOR)
-        if stored is None:
-            raise ValueError(f"no stored KV for the output of agent {author} in round {r}")
         n = len(tokens)
         k = self._blank(n)
         v = self._blank(n)
+        found = self.index.find_within(tokens, AUTHOR)
+        if found is None:
+            return SharedSegment(
+                torch.tensor(tokens), SegmentKV(k, v), torch.zeros(n, dtype=torch.bool)
+            )
+        offset, entry = found
+        body, stored = entry.token_ids, entry.value
         body_k, body_v = stored.placed(torch.arange(offset, offset + len(body)), self.config)
         k[:, offset : offset + len(body)] = body_k
         v[:, offset : offset + len(body)] = body_v

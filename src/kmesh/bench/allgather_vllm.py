@@ -6,10 +6,14 @@ in one vLLM engine (prefix caching on) whose requests are kept apart by cache_sa
   the reference for quality.
 - prefix: vanilla vLLM, prefix caching (no kmesh recovery): each agent's earlier prompts give
   its transcript's full blocks; exact.
-- per_request: KMeshConnector recovers each prompt's blocks after vLLM's local hit
+- per_request: KMeshConnector recovers each prompt's rows after vLLM's local hit
   (kmesh/recovery/requests.py): stored segment KV re-rotated, `recompute_ratio` recomputed by the
-  policy. A segment's KV is stored by the first request that computes it in full (its context),
-  so each round's first reader pays for every output.
+  policy. Every turn keeps its output (`keep_output`): after a round is timed and measured, its
+  prompts are run again untimed to generate their outputs (decode, not prefill: the outputs' KV
+  is a by-product of generation, as in the reference bench), the connector keeps each generated
+  output's KV, and the next round's readers reuse it (author KV) wherever the generated output is
+  the trace's (`kept_outputs_matching_trace`); an output generated otherwise is computed in full by
+  its first reader, whose KV later readers reuse (first-reader KV).
 - collective: the rounds are declared (family + round id + the round's output segments): each
   round's outputs are recovered once, after the family's common context (`shared_ratio`, 1.0:
   computed in full), kept as the master, and placed in each agent's prompt; `agent_ratio`
@@ -99,6 +103,7 @@ class VllmAllGatherBench:
             "agent_ratio": cfg.agent_ratio,
             "check_layer": cfg.check_layer,
             "gate": cfg.gate,
+            "gate_sample": cfg.gate_sample,
             "block_size": self.block_size,  # vLLM's pages; masters use kmesh/recovery/requests.py's
             "greedy_tokens": cfg.greedy_tokens,
             "model": fingerprint,
@@ -144,6 +149,7 @@ class VllmAllGatherBench:
         run = StrategyRun(name)
         masters = 0
         mirrors = 0
+        matching = 0
         for r, turns in enumerate(self.rounds):
             requests = [self._request(name, r, t) for t in turns]
             started = time.perf_counter()
@@ -163,10 +169,15 @@ class VllmAllGatherBench:
                     run.deviations.append(recovery["deviation"])
                 masters += recovery.get("master_bytes", 0)
                 mirrors += recovery.get("mirror_bytes", 0)
-            if r == 0:
-                continue
-            run.kv_bytes_per_agent += self._output_bytes(r)
-            self._measure(run, r, requests)
+            if r > 0:
+                run.kv_bytes_per_agent += self._output_bytes(r)
+                self._measure(run, r, requests)
+            if r + 1 < len(self.rounds) and any(k and k.get("keep_output") for _, k in requests):
+                matching += self._author(requests, turns)
+        if matching:
+            run.extra["kept_outputs_matching_trace"] = round(
+                matching / sum(len(t) for t in self.rounds[:-1]), 4
+            )
         if name == "collective":
             agents = max(len(turns) for turns in self.rounds)
             run.kv_bytes_per_agent += masters / agents
@@ -176,9 +187,14 @@ class VllmAllGatherBench:
         return run
 
     def _measure(self, run: StrategyRun, r: int, requests: list[tuple[dict, dict | None]]) -> None:
-        """The first position's distribution and the greedy continuation of round r's prompts."""
+        """The first position's distribution and the greedy continuation of round r's prompts
+        (keeping no outputs: what is measured must not feed later rounds)."""
         from vllm import SamplingParams
 
+        requests = [
+            (prompt, None if k is None else {n: x for n, x in k.items() if n != "keep_output"})
+            for prompt, k in requests
+        ]
         first = SamplingParams(
             temperature=0, max_tokens=1, logprobs=-1, flat_logprobs=True, detokenize=False
         )
@@ -193,6 +209,18 @@ class VllmAllGatherBench:
         greedy = SamplingParams(temperature=0, max_tokens=self.cfg.greedy_tokens, ignore_eos=True)
         for a, out in enumerate(self._generate(requests, greedy)):
             run.greedy[(r, a)] = list(out.outputs[0].token_ids)
+
+    def _author(self, requests: list[tuple[dict, dict | None]], turns: list[AgentTurn]) -> int:
+        """Generate the round's outputs from its prompts (greedy, untimed), the connector
+        keeping their KV; how many are the trace's (only those are found by later readers)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=self.workload.output_tokens)
+        outs = self._generate(requests, params)
+        return sum(
+            tuple(out.outputs[0].token_ids) == turn.output_ids
+            for out, turn in zip(outs, turns, strict=True)
+        )
 
     def _generate(self, requests: list[tuple[dict, dict | None]], params: Any) -> list[Any]:
         per_request = []

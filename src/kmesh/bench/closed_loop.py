@@ -69,17 +69,24 @@ def reference_closed_loop(
         for turn in turns:
             salt, kmesh = strategy_request(name, r, turn, cfg, workload.agents, ":closed-loop")
             recovery = None
-            if kmesh is not None:
-                declared = parse_kmesh_params(kmesh)
-                assert declared.recovery is not None
+            declared = None if kmesh is None else parse_kmesh_params(kmesh)
+            if declared is not None and declared.recovery is not None:
                 spans = tuple(
                     SegmentSpan(s.start, s.end, s.role.value, s.segment_id)
                     for s in turn.prompt.spans
                 )
                 recovery = RecoveryRequest(spans, declared.recovery, declared.family)
             request_id = f"closed-{name}-{r}-{turn.agent}-{next(ids)}"
+            keep = declared is not None and declared.keep_output
             requests.append(
-                Request(request_id, turn.prompt.token_ids, params, salt, recovery=recovery)
+                Request(
+                    request_id,
+                    turn.prompt.token_ids,
+                    params,
+                    salt,
+                    recovery=recovery,
+                    keep_output=keep,
+                )
             )
         return [list(out.output_ids) for out in engine.generate(requests)]
 

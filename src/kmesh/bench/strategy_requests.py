@@ -4,7 +4,9 @@ vLLM with KMeshConnector and the reference engine serve the same declarations (k
 requests.py), so both request-level benches (the vLLM bench, the closed loop) send these:
 - full: no kmesh object, a salt of its own per prompt (no prefix hit): vanilla full prefill;
 - prefix: no kmesh object, no salt: vanilla prefix caching;
-- per_request: the prompt's segments and a recovery policy (stored segment KV reused per request);
+- per_request: the prompt's segments and a recovery policy (stored segment KV reused per request),
+  every turn keeping its output (`keep_output`): the next round's readers start from the outputs'
+  author KV, as in the reference bench;
 - collective: the segments, a family and the round (the previous round's outputs, in author
   order: the master's canonical order), `agent_ratio` recomputed per agent.
 Approximate strategies run under salts starting with `kmesh-approx` (each its own); round 0 holds
@@ -30,16 +32,22 @@ def strategy_request(
     if name == "prefix":
         return None if not variant else f"prefix{variant}", None
     salt = f"kmesh-approx:{name}{variant}"
+    keep = {"keep_output": True} if name == "per_request" else {}
     if r == 0:
-        return salt, None
+        return salt, keep or None
     segments = [_segment_spec(s) for s in turn.prompt.segments]
     recovery: dict[str, Any] = {
         "policy": cfg.policy,
         "gate": cfg.gate,
         "check_layer": cfg.check_layer,
+        "gate_sample": cfg.gate_sample,
     }
     if name == "per_request":
-        return salt, {"segments": segments, "recovery": {**recovery, "ratio": cfg.recompute_ratio}}
+        return salt, {
+            "segments": segments,
+            "recovery": {**recovery, "ratio": cfg.recompute_ratio},
+            **keep,
+        }
     round_ = {
         "id": f"r{r}",
         "segments": [output_segment_id(r - 1, a) for a in range(agents)],

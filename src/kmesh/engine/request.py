@@ -53,6 +53,9 @@ class Request:
     # Fill the prompt's rows after its prefix hit by recovery (segments, policy, round): see
     # kmesh/recovery/requests.py. Approximate recovery needs an approximate tenant salt.
     recovery: RecoveryRequest | None = None
+    # Keep the generated tokens' KV as an output segment of the tenant for later requests'
+    # recovery (kmesh/recovery/requests.py); ignored under an adapter (the KV is not the base's).
+    keep_output: bool = False
     # Name of a LoRA adapter loaded into the engine (None: the base model).
     adapter: str | None = None
 

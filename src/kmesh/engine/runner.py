@@ -101,6 +101,15 @@ class ModelRunner:
             seq.stats.computed_tokens -= job.end - job.start
             seq.stats.recovered_tokens = job.end - job.start
 
+    def keep_output(self, seq: Sequence) -> None:
+        """Hand the finished sequence's generated rows (every output token fed back) to
+        recovery as its output segment."""
+        start, end = seq.num_prompt, seq.num_computed
+        if end <= start:
+            return
+        k, v = _CacheRows(self.cache).read(seq.block_table, torch.arange(start, end))
+        self.recovery.keep_output(seq.request.tenant_salt, seq.token_ids[start:end], k, v, start)
+
     def _shared_prefixes(self, seqs: list[Sequence]) -> dict[int, tuple[PagedContext, int]]:
         """For sequences that hold the same physical leading blocks (forks of one trunk, prefix
         cache hits on one prefix): one context over those blocks, and its length in tokens."""

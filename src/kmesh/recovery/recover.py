@@ -16,8 +16,12 @@ prefix and the reused KV of everything not recomputed (the executor's subset pri
 The quality gate: with a threshold set, the check layer is computed for every region (also for
 policies that do not need it) and a region whose mean relative deviation exceeds the threshold is
 recomputed in full: the safe fallback (or, with `recompute_on_gate` off, left to the caller).
-Layer 0 cannot serve as check layer: its keys depend on the token and position only, so
-re-rotated keys never deviate there.
+When nothing needs every token's deviation (no kv_deviation budget), the gate reads an evenly
+spaced `gate_sample` share of the reusable tokens (at least one per region): only those and the
+new tokens go through layers 0..c, attending to the prefix and the reused KV of the rest; the
+other reusable tokens keep their reused KV at every layer. The mean over the sample estimates
+the region's mean deviation. Layer 0 cannot serve as check layer: its keys depend on the token
+and position only, so re-rotated keys never deviate there.
 
 Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
 layers counts 2/30.
@@ -42,11 +46,15 @@ class RecoveryConfig:
     # A gated region is recomputed here in full; without, it is left alone (fell_back, k/v not
     # filled) for the caller's own fallback (vLLM's ordinary prefill, kmesh/recovery/requests.py).
     recompute_on_gate: bool = True
+    # Share of the reusable tokens the gate checks when the policy needs no deviations (1.0: all).
+    gate_sample: float = 1.0
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"the recompute ratio must be in [0, 1], got {self.ratio}")
+        if not 0.0 < self.gate_sample <= 1.0:
+            raise ValueError(f"the gate's sample share must be in (0, 1], got {self.gate_sample}")
         if self.check_layer < 1:
             raise ValueError("the check layer must be >= 1 (keys never deviate at layer 0)")
 
@@ -90,26 +98,35 @@ def recover(
     scoring = needs_check_layer(cfg.policy) and cfg.ratio > 0
     gating = cfg.gate is not None and cfg.policy != "full"
     checked = [bool(r.reusable.any()) and (scoring or gating) for r in regions]
+    # Per checked region: the tokens computed through the check layers (sorted).
+    early_rows = {
+        i: _early_rows(r, 1.0 if scoring else cfg.gate_sample)
+        for i, (r, c) in enumerate(zip(regions, checked, strict=True))
+        if c
+    }
     check_range = range(cfg.check_layer + 1)
     first = _run(
         executor,
         [
-            SequenceInput(r.token_ids, r.positions, r.prefix)
-            for r, c in zip(regions, checked, strict=True)
-            if c
+            SequenceInput(r.token_ids[rows], r.positions[rows], _context(r, rows))
+            for r, rows in ((regions[i], rows) for i, rows in early_rows.items())
         ],
         check_range,
     )
-    early: list[SequenceOutput | None] = [first.pop(0) if c else None for c in checked]
+    early: dict[int, SequenceOutput] = dict(zip(early_rows, first, strict=True))
     plans = []
-    for region, out in zip(regions, early, strict=True):
-        deviation = None if out is None else _deviation(out, region, cfg.check_layer)
-        mean = None if deviation is None else float(deviation[region.reusable].mean())
+    for i, region in enumerate(regions):
+        mean = None
+        deviation = None
+        if i in early:
+            deviation = _deviation(early[i], region, early_rows[i], cfg.check_layer)
+            mean = float(deviation[region.reusable[early_rows[i]]].mean())
         fell_back = gating and mean is not None and cfg.gate is not None and mean > cfg.gate
-        chosen = _choose(region, cfg, deviation, fell_back)
+        chosen = _choose(region, cfg, deviation if scoring else None, fell_back)
         plans.append((chosen, mean, fell_back))
     # Second phase: chosen + new tokens through the remaining layers, against the prefix and the
-    # reused KV of everything else.
+    # reused KV of everything else; from the check layer's residual where the first phase
+    # computed all of them, else from the start.
     later = range(cfg.check_layer + 1, layers)
     inputs: dict[int, SequenceInput] = {}
     residuals: dict[int, torch.Tensor] = {}
@@ -122,9 +139,12 @@ def recover(
         inputs[i] = SequenceInput(
             region.token_ids[compute], region.positions[compute], _context(region, compute)
         )
-        out = early[i]
-        if out is not None:
-            residuals[i] = out.residual[compute]
+        if i in early:
+            at = torch.searchsorted(early_rows[i], compute)
+            if bool((at < len(early_rows[i])).all()) and bool(
+                (early_rows[i][at.clamp_max(len(early_rows[i]) - 1)] == compute).all()
+            ):
+                residuals[i] = early[i].residual[at]
     resumed = [i for i in inputs if i in residuals]
     fresh = [i for i in inputs if i not in residuals]
     outputs = dict(
@@ -138,7 +158,17 @@ def recover(
     results = []
     for i, (region, (chosen, mean, fell_back)) in enumerate(zip(regions, plans, strict=True)):
         results.append(
-            _assemble(region, chosen, early[i], outputs.get(i), mean, fell_back, cfg, layers)
+            _assemble(
+                region,
+                chosen,
+                early.get(i),
+                early_rows.get(i),
+                outputs.get(i),
+                mean,
+                fell_back,
+                cfg,
+                layers,
+            )
         )
     return results
 
@@ -152,20 +182,35 @@ def _run(
     return executor.forward(batch, layers, residual) if batch else []
 
 
-def _deviation(out: SequenceOutput, region: RegionInput, check_layer: int) -> torch.Tensor:
-    """[t] relative L2 deviation of fresh from reused keys at the check layer (0 if not reused)."""
+def _early_rows(region: RegionInput, sample: float) -> torch.Tensor:
+    """Sorted region rows computed through the check layers: every new token, and an evenly
+    spaced `sample` share of the reusable ones (all of them at 1.0; at least one)."""
+    if sample >= 1.0:
+        return torch.arange(len(region.token_ids))
+    reusable = torch.nonzero(region.reusable)[:, 0]
+    count = max(1, round(sample * len(reusable)))
+    picked = reusable[torch.linspace(0, len(reusable) - 1, count).round().long().unique()]
+    return torch.sort(torch.cat((picked, torch.nonzero(~region.reusable)[:, 0]))).values
+
+
+def _deviation(
+    out: SequenceOutput, region: RegionInput, rows: torch.Tensor, check_layer: int
+) -> torch.Tensor:
+    """[len(rows)] relative L2 deviation of fresh from reused keys at the check layer, over the
+    first phase's rows (0 where not reused)."""
     fresh = out.k[check_layer].float()
-    reused = region.reused_k[check_layer].float()
+    reused = region.reused_k[check_layer][rows].float()
     deviation = (fresh - reused).flatten(1).norm(dim=1) / fresh.flatten(1).norm(dim=1).clamp_min(
         1e-6
     )
-    return torch.where(region.reusable, deviation, torch.zeros_like(deviation))
+    return torch.where(region.reusable[rows], deviation, torch.zeros_like(deviation))
 
 
 def _choose(
     region: RegionInput, cfg: RecoveryConfig, deviation: torch.Tensor | None, fell_back: bool
 ) -> torch.Tensor:
-    """Sorted indices of the reusable tokens to recompute."""
+    """Sorted indices of the reusable tokens to recompute; `deviation` covers every region token
+    (kv_deviation's scores) or is None."""
     tokens = torch.nonzero(region.reusable)[:, 0]
     if fell_back or cfg.policy == "full":
         return tokens
@@ -198,6 +243,8 @@ def _context(region: RegionInput, compute: torch.Tensor) -> DenseKV:
     if region.prefix is None:
         return DenseKV(positions, list(ks), list(vs))
     prefix = region.prefix
+    if len(positions) == 0:
+        return prefix
     return DenseKV(
         torch.cat((prefix.positions, positions)),
         [torch.cat((prefix.k[layer], ks[layer])) for layer in range(len(ks))],
@@ -209,6 +256,7 @@ def _assemble(
     region: RegionInput,
     chosen: torch.Tensor,
     early: SequenceOutput | None,
+    early_rows: torch.Tensor | None,
     late: SequenceOutput | None,
     mean: float | None,
     fell_back: bool,
@@ -220,12 +268,16 @@ def _assemble(
     k = region.reused_k.clone()
     v = region.reused_v.clone()
     cost = 0.0
-    if early is not None:
-        refreshed = compute if region.keep_reused_outside_selection else torch.arange(t)
+    if early is not None and early_rows is not None:
+        # The first phase's fresh KV of layers 0..c is kept where it was computed (it is paid
+        # for), or only for the recomputed tokens when the reused KV must stay elsewhere.
+        keep = torch.ones(len(early_rows), dtype=torch.bool)
+        if region.keep_reused_outside_selection:
+            keep = torch.isin(early_rows, compute)
         for layer in range(cfg.check_layer + 1):
-            k[layer, refreshed] = early.k[layer][refreshed]
-            v[layer, refreshed] = early.v[layer][refreshed]
-        cost += t * (cfg.check_layer + 1) / layers
+            k[layer, early_rows[keep]] = early.k[layer][keep]
+            v[layer, early_rows[keep]] = early.v[layer][keep]
+        cost += len(early_rows) * (cfg.check_layer + 1) / layers
     if late is not None:
         offset = layers - len(late.k)
         for index, (k_layer, v_layer) in enumerate(zip(late.k, late.v, strict=True)):

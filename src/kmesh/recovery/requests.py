@@ -1,18 +1,21 @@
 """Recovery of the requests that ask for it: fill a request's claimed rows with recovered KV.
 
-Both engines hand their jobs (kmesh/recovery/jobs.py) here: vLLM's connector claims a request's
-full blocks after vLLM's local prefix hit ([start, end)) and its worker half runs this before
-vLLM's forward pass; the reference engine's runner claims every prompt row after its prefix hit but
-the last. The engine then computes the rest of the prompt against the filled rows. The exact
-prefix [0, start) is read back from the engine's pages (a PrefixReader: kmesh/vllm/pages.py,
-kmesh/kv/kv_cache.py); the region [start, end) goes through kmesh.recovery:
+Both engines hand their jobs (kmesh/recovery/jobs.py) here: each claims every prompt row after its
+local prefix hit but the last ([start, end); vLLM's connector, whose worker half runs this before
+vLLM's forward pass, and the reference engine's runner). The engine then computes the rest of the
+prompt against the filled rows. The exact prefix [0, start) is read back from the engine's pages (a
+PrefixReader: kmesh/vllm/pages.py, kmesh/kv/kv_cache.py); the region [start, end) goes through
+kmesh.recovery:
 
 - per request (no round): each shared segment in the region whose KV is stored (keyed by tenant
-  and tokens) is re-rotated to its positions and reused; the policy recomputes `ratio` of it
+  and tokens) is re-rotated to its positions and reused, or else the stored output of an earlier
+  request (`keep_output`: its generated tokens' KV as its author computed them) found inside it,
+  the segment's other tokens (a header, closing tokens) then computed; the policy recomputes
+  `ratio` of the reused tokens
   (kv_deviation, first_k, random; none keeps it as is, full recomputes all). Tokens no stored
   segment covers are computed. A shared segment this request computed in full is stored (its KV
   in this request's context, keys turned to canonical positions): later readers reuse it. One that
-  crosses past the claimed rows (into the block vLLM computes) is computed whole here for that
+  crosses past the claimed rows (into the prompt's last token) is computed whole here for that
   (its tail twice).
 - collective (a declared round, kmesh/recovery/collective.py): the round's master is its first
   sibling's own exact KV of the round's output segments (or, with `master: "common"`, the outputs
@@ -39,7 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
-from kmesh.index.segment_index import SegmentIndex
+from kmesh.index.segment_index import AUTHOR, FIRST_READER, SegmentIndex
 from kmesh.kv.master_mirror import Master
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.collective import (
@@ -54,14 +57,25 @@ from kmesh.recovery.ledger import Ledger
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
 
-# Contexts under which segment KV is filed in the index.
-FIRST_READER = "first-reader"
 # Block granularity of a round's master (the store's unit; independent of vLLM's pages).
 MASTER_BLOCK = 16
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
 
 _Key = tuple[str | None, str, str]  # (tenant, family, round id)
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """Stored KV placed at prompt positions [start, start + n)."""
+
+    start: int
+    k: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    v: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + self.k.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +140,8 @@ class RequestRecovery:
 
     def _storing_end(self, job: RecoverTokens) -> int:
         """Where the region ends: the claimed rows, extended to the end of a shared segment that
-        crosses into the block vLLM computes and is stored nowhere yet (so that its first reader
-        can store it whole; those extra tokens are computed twice, once here)."""
+        crosses past them (into the prompt's last token) and is stored nowhere yet (so that its
+        first reader can store it whole; those extra tokens are computed twice, once here)."""
         index = self._index(job.tenant)
         end = job.end
         for span in job.spans:
@@ -137,20 +151,45 @@ class RequestRecovery:
                 end = max(end, span.end)
         return end
 
-    def _stored_segments(self, job: RecoverTokens) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Span index -> (k, v) placed at the span's positions, for stored shared segments."""
+    def _stored_segments(self, job: RecoverTokens) -> dict[int, _Placed]:
+        """Span index -> the stored KV placed at the span's positions, for shared segments
+        stored whole (a first reader's), or holding a stored output (its author's)."""
         index = self._index(job.tenant)
         placed = {}
         for i, span in enumerate(job.spans):
             if span.role != "shared" or span.end <= job.start or span.start >= job.end:
                 continue
             tokens = job.token_ids[span.start : span.end]
+            offset, held, context = 0, tokens, FIRST_READER
             stored = index.get(tokens, FIRST_READER)
-            if stored is not None:
-                self.ledger.touch(("segment", job.tenant, tuple(tokens)))
-                positions = torch.arange(span.start, span.end)
-                placed[i] = stored.placed(positions, self.executor.config)
+            if stored is None:
+                found = index.find_within(tokens, AUTHOR)
+                if found is None:
+                    continue
+                offset, entry = found
+                stored, held, context = entry.value, list(entry.token_ids), AUTHOR
+            self.ledger.touch(("segment", job.tenant, tuple(held), context))
+            lo = span.start + offset
+            k, v = stored.placed(torch.arange(lo, lo + len(held)), self.executor.config)
+            placed[i] = _Placed(lo, k, v)
         return placed
+
+    def keep_output(
+        self,
+        tenant: str | None,
+        token_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+    ) -> None:
+        """Store a request's generated tokens' KV (rows computed at positions start.., in its
+        own context) as an output segment later readers under `tenant` reuse (author KV)."""
+        if not token_ids:
+            return
+        positions = torch.arange(start, start + len(token_ids))
+        stored = SegmentKV.canonical(k, v, positions, self.executor.config)
+        self._index(tenant).put(token_ids, AUTHOR, 0, stored)
+        self._hold(("segment", tenant, tuple(token_ids), AUTHOR), stored.k.nbytes + stored.v.nbytes)
 
     def _store_computed(
         self, job: RecoverTokens, region: RegionInput, out: Recovered, end: int
@@ -168,7 +207,10 @@ class RequestRecovery:
                 out.k[:, rows], out.v[:, rows], positions, self.executor.config
             )
             index.put(tokens, FIRST_READER, 0, stored)
-            self._hold(("segment", job.tenant, tuple(tokens)), stored.k.nbytes + stored.v.nbytes)
+            self._hold(
+                ("segment", job.tenant, tuple(tokens), FIRST_READER),
+                stored.k.nbytes + stored.v.nbytes,
+            )
 
     # -- collective ------------------------------------------------------------------------
 
@@ -214,7 +256,7 @@ class RequestRecovery:
 
     def _sibling(self, job: RecoverTokens, pages: PrefixReader, holds_master: bool) -> SiblingInput:
         """The job as a round sibling: its claimed rows (a master sibling's to the end of the
-        round's last segment, which may lie in the block vLLM computes: those tokens are computed
+        round's last segment, which may reach the prompt's last token: those tokens are computed
         twice), its exact prefix read back from vLLM's pages."""
         spans = [(s.start, s.end) for s in _round_spans(job)]
         end = max(job.end, *(hi for _, hi in spans)) if holds_master else job.end
@@ -246,7 +288,13 @@ class RequestRecovery:
                 stored = SegmentKV(self._blank(len(tokens)), self._blank(len(tokens)))
             segments.append(SharedSegment(torch.tensor(tokens), stored, reusable))
         spec = job.spec
-        cfg = RecoveryConfig(spec.policy, round_.shared_ratio, spec.check_layer, spec.gate)
+        cfg = RecoveryConfig(
+            spec.policy,
+            round_.shared_ratio,
+            spec.check_layer,
+            spec.gate,
+            gate_sample=spec.gate_sample,
+        )
         master, shared = master_in_common(self.executor, common, segments, cfg, MASTER_BLOCK)
         common.extend(shared)
         self._hold(("common", tenant, family), common.nbytes)
@@ -282,7 +330,7 @@ class RequestRecovery:
         self,
         job: RecoverTokens,
         pages: PrefixReader,
-        reused: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        reused: dict[int, "_Placed"],
         end: int | None = None,
     ) -> RegionInput:
         """The claimed rows (to `end`, by default the claim's) as a region: reused rows where
@@ -299,10 +347,14 @@ class RequestRecovery:
                 continue
             segment[lo - job.start : hi - job.start] = i
             if i in reused:
-                span_k, span_v = reused[i]
-                k[:, lo - job.start : hi - job.start] = span_k[:, lo - span.start : hi - span.start]
-                v[:, lo - job.start : hi - job.start] = span_v[:, lo - span.start : hi - span.start]
-                reusable[lo - job.start : hi - job.start] = True
+                held = reused[i]
+                lo, hi = max(held.start, job.start), min(held.end, end)
+                if lo >= hi:
+                    continue
+                rows = slice(lo - job.start, hi - job.start)
+                k[:, rows] = held.k[:, lo - held.start : hi - held.start]
+                v[:, rows] = held.v[:, lo - held.start : hi - held.start]
+                reusable[rows] = True
         return RegionInput(
             torch.tensor(job.token_ids[job.start : end]),
             torch.arange(job.start, end),
@@ -324,14 +376,19 @@ class RequestRecovery:
     def _config(self, job: RecoverTokens) -> RecoveryConfig:
         spec = job.spec
         return RecoveryConfig(
-            spec.policy, spec.ratio, spec.check_layer, spec.gate, recompute_on_gate=False
+            spec.policy,
+            spec.ratio,
+            spec.check_layer,
+            spec.gate,
+            recompute_on_gate=False,
+            gate_sample=spec.gate_sample,
         )
 
     def _hold(self, key: tuple[Any, ...], nbytes: int) -> None:
         """Keep `key`'s state within the ledger's bound, dropping the least recently used."""
         for dropped in self.ledger.hold(key, nbytes):
-            if dropped[0] == "segment":  # ("segment", tenant, tokens)
-                self._index(dropped[1]).discard(dropped[2], FIRST_READER)
+            if dropped[0] == "segment":  # ("segment", tenant, tokens, context)
+                self._index(dropped[1]).discard(dropped[2], dropped[3])
             elif dropped[0] == "master":  # ("master", (tenant, family, round id))
                 self._masters.pop(dropped[1], None)
             else:  # ("common", tenant, family)

@@ -105,6 +105,7 @@ class ReferenceBackend:
             params,
             tenant_salt=job.cache_salt,
             recovery=self._recovery(job),
+            keep_output=job.kmesh is not None and job.kmesh.keep_output,
         )
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta | BaseException] = asyncio.Queue()

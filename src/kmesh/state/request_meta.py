@@ -70,14 +70,14 @@ class RoundSpec(BaseModel):
 
 
 class RecoverySpec(BaseModel):
-    """Recovery of the prompt's rows after the engine's local prefix hit (kmesh/recovery/
-    requests.py, the same in both engines): vLLM's KMeshConnector claims the full blocks after the
-    hit, the reference engine every row but the last, and KMesh's executor fills them (on vLLM's
-    own weights inside vLLM). Policy "full" recomputes every claimed token (exact up to float
-    rounding); the other policies, and every round, reuse stored segment KV or the round's master,
-    re-rotated, and recompute `ratio` of it: approximate, so they need a cache_salt starting with
-    APPROX_SALT_PREFIX (the prefix cache then keeps their blocks apart from exact requests). A
-    region whose check-layer key deviation exceeds `gate` is left to the engine's own prefill."""
+    """Recovery of the prompt's rows after the engine's local prefix hit (the same in both
+    engines, kmesh/recovery/requests.py): each claims every row after the hit but the prompt's
+    last, and KMesh's executor fills them (on vLLM's own weights inside vLLM). Policy "full"
+    recomputes every claimed token (exact up to float rounding); the other policies, and every
+    round, reuse stored segment KV or the round's master, re-rotated, and recompute `ratio` of
+    it: approximate, so they need a cache_salt starting with APPROX_SALT_PREFIX (the prefix
+    cache then keeps their blocks apart from exact requests). A region whose check-layer key
+    deviation exceeds `gate` is left to the engine's own prefill."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -85,6 +85,9 @@ class RecoverySpec(BaseModel):
     ratio: float = Field(default=0.3, ge=0.0, le=1.0)
     gate: float | None = Field(default=0.1, ge=0.0)
     check_layer: int = Field(default=1, ge=1)
+    # Share of the reused tokens the gate checks when the policy scores none (ratio 0, first_k,
+    # random, none): kmesh/recovery/recover.py.
+    gate_sample: float = Field(default=0.125, gt=0.0, le=1.0)
     round: RoundSpec | None = None
 
     @property
@@ -103,6 +106,9 @@ class KMeshParams(BaseModel):
     # style; every part shared but the last, the instruction). See with_separated_segments.
     separator: str | None = Field(default=None, min_length=1)
     recovery: RecoverySpec | None = None
+    # Keep the KV of the tokens this request generates as an output segment of its tenant (its
+    # author's KV): later requests' per-request recovery reuses it wherever a segment holds them.
+    keep_output: bool = False
 
     @model_validator(mode="after")
     def _check_references(self) -> "KMeshParams":

@@ -61,6 +61,7 @@ class KMeshConnector(KVConnectorBase_V1):
         self._worker_side.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker_side.keep_outputs(self._metadata)  # first: this step's recoveries read them
         self._worker_side.load(self._metadata)
         self._worker_side.recover(self._metadata, forward_context.no_compile_layers)
 
@@ -78,6 +79,10 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._worker_side.save(self._metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose kept output the worker has read: vLLM frees their blocks now."""
+        return self._worker_side.take_kept(), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side.take_load_errors()
@@ -124,7 +129,8 @@ class KMeshConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, {KMESH_PARAMS_KEY: self._scheduler_side.request_finished(request)}
+        delay_free, stats = self._scheduler_side.request_finished(request, block_ids)
+        return delay_free, {KMESH_PARAMS_KEY: stats}
 
     # -- helpers -------------------------------------------------------------------------
 

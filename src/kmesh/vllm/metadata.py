@@ -1,11 +1,13 @@
 """What the connector's two halves tell each other each step.
 
-Scheduler -> worker (KMeshConnectorMetadata): the blocks to fill from the store before the
-forward pass, the requests whose claimed rows recovery fills, and the blocks to copy into segments
-the store reserved after it. Worker -> scheduler (KMeshWorkerMetadata): the checksum of each copied
-block (to commit it) or None (to abandon it), and each recovered request's report. The store
-protocol (claims, commits, pins) stays on the scheduler side; the worker only moves bytes between
-shared memory and vLLM's KV cache, and fills recovered rows.
+Scheduler -> worker (KMeshConnectorMetadata): the blocks to fill from the store before the forward
+pass, the requests whose claimed rows recovery fills, the blocks to copy into segments the store
+reserved after it, and the finished requests whose generated rows to keep (their blocks stay
+allocated until the worker says it has read them: vLLM's delayed free). Worker -> scheduler
+(KMeshWorkerMetadata): the checksum of each copied block (to commit it) or None (to abandon it), and
+each recovered request's report. The store protocol (claims, commits, pins) stays on the scheduler
+side; the worker only moves bytes between shared memory and vLLM's KV cache, and fills recovered
+rows.
 """
 
 from dataclasses import dataclass, field
@@ -37,11 +39,23 @@ class SaveBlock:
     segment: str  # reserved by the scheduler side
 
 
+@dataclass(frozen=True, slots=True)
+class KeepOutput:
+    """A finished request's generated tokens whose KV (rows start.., in its blocks) to keep."""
+
+    request_id: str
+    tenant: str | None
+    token_ids: list[int]  # the generated tokens fed back (every one but the last)
+    block_ids: list[int]
+    start: int  # the first generated token's position (the prompt's length)
+
+
 @dataclass
 class KMeshConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadBlock] = field(default_factory=list)
     saves: list[SaveBlock] = field(default_factory=list)
     recoveries: list[RecoverTokens] = field(default_factory=list)
+    outputs: list[KeepOutput] = field(default_factory=list)
 
 
 @dataclass

@@ -12,7 +12,8 @@ name and path, cache_salt, parent key, block tokens):
 Every store failure falls back to vLLM computing the tokens itself.
 
 A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec)
-skips the store: its full blocks after the local hit are claimed and filled by the worker half
+skips the store: its rows after the local hit, all but the prompt's last (a claim need not end on
+a block boundary), are claimed and filled by the worker half
 (kmesh/recovery/requests.py), which reports what it computed; blocks it could not fill (the quality
 gate, no model attached) come back as load errors and vLLM computes them. Recovery is refused
 (vLLM computes the prompt as usual) for LoRA requests, and an approximate one without a cache_salt
@@ -50,7 +51,13 @@ from kmesh.store import (
 )
 from kmesh.store.client import encode_meta
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock, TenantKey
+from kmesh.vllm.metadata import (
+    KeepOutput,
+    KMeshConnectorMetadata,
+    LoadBlock,
+    SaveBlock,
+    TenantKey,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +109,7 @@ class SchedulerSide:
         self._reserved: dict[TenantKey, str | None] = {}
         self._loads: list[LoadBlock] = []
         self._recoveries: list[RecoverTokens] = []
+        self._outputs: list[KeepOutput] = []
         # Stats of requests finished this step whose recovery report has not come yet.
         self._finishing: dict[str, dict[str, Any]] = {}
         self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
@@ -130,9 +138,9 @@ class SchedulerSide:
                 request.cache_salt,
                 None if lora is None else lora.lora_name,
             )
-            if refusal is None:
+            if refusal is None:  # every row but the last, which vLLM computes (its logits)
                 tracked.recovering = True
-                return max(0, loadable - first) * self.block_size, False
+                return max(0, request.num_prompt_tokens - 1 - num_computed_tokens), False
             tracked.recovery = {"refused": refusal}  # served as an ordinary (exact) request
         if not self.available:
             return 0, False
@@ -190,7 +198,7 @@ class SchedulerSide:
             )
             tracked.recovered_tokens = num_external_tokens
             tracked.recovered_block_ids = set(
-                block_ids[start // self.block_size : end // self.block_size]
+                block_ids[start // self.block_size : -(-end // self.block_size)]
             )
             return
         first = tracked.local_tokens // self.block_size
@@ -201,8 +209,10 @@ class SchedulerSide:
         tracked.loaded_tokens = count * self.block_size
 
     def build_connector_meta(self, scheduler_output: Any) -> KMeshConnectorMetadata:
-        meta = KMeshConnectorMetadata(loads=self._loads, recoveries=self._recoveries)
-        self._loads, self._recoveries = [], []
+        meta = KMeshConnectorMetadata(
+            loads=self._loads, recoveries=self._recoveries, outputs=self._outputs
+        )
+        self._loads, self._recoveries, self._outputs = [], [], []
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -247,11 +257,13 @@ class SchedulerSide:
                 self._finishing[request_id]["recovery"] = asdict(report)
         self._finishing.clear()
 
-    def request_finished(self, request: Any) -> dict[str, Any]:
-        """Release what the request led and did not publish; its stats for the caller."""
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any]]:
+        """Release what the request led and did not publish; whether its blocks stay allocated
+        for the worker to keep its output's KV (`keep_output`), and its stats for the caller."""
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None:
-            return {}
+            return False, {}
+        keep = self._keep_output(request, tracked, block_ids)
         unpublished = [
             key
             for key in tracked.lead.values()
@@ -286,7 +298,35 @@ class SchedulerSide:
             stats["recovery"] = tracked.recovery
         elif tracked.recovered_tokens:
             self._finishing[request.request_id] = stats  # its report comes in this same step
-        return stats
+        if keep:
+            stats["kept_output_tokens"] = len(self._outputs[-1].token_ids)
+        return keep, stats
+
+    def _keep_output(self, request: Any, tracked: _Tracked, block_ids: list[int]) -> bool:
+        """Queue the request's generated rows for the worker to keep, if it asked; their KV is
+        the base model's (a LoRA request's is not kept)."""
+        params = tracked.params
+        if params is None or not params.keep_output:
+            return False
+        if request.lora_request is not None:
+            log.info(
+                "kmesh: request %s: keep_output under a LoRA adapter is ignored", request.request_id
+            )
+            return False
+        start = request.num_prompt_tokens
+        fed = min(request.num_computed_tokens, start + len(request.output_token_ids)) - start
+        if fed <= 0:
+            return False
+        self._outputs.append(
+            KeepOutput(
+                request.request_id,
+                tracked.tenant,
+                list(request.output_token_ids[:fed]),
+                list(block_ids),
+                start,
+            )
+        )
+        return True
 
     def load_failed(self, block_ids: set[int]) -> None:
         """The worker could not load these blocks; vLLM recomputes them: not restored."""

@@ -1,6 +1,7 @@
 """The connector's worker half: copies whole blocks between the store's shared memory and
-vLLM's paged KV cache, and fills the rows of recovered tokens (kmesh/recovery/requests.py). It never
-claims or commits; see metadata.py.
+vLLM's paged KV cache, fills the rows of recovered tokens (kmesh/recovery/requests.py) and keeps
+finished requests' generated rows as output segments for later recoveries (`keep_output`; their
+blocks are freed once it has read them). It never claims or commits; see metadata.py.
 
 Recovery runs KMesh's layerwise executor on vLLM's own loaded model. vLLM hands a connector no
 model, so it is attached from outside: the worker extension (kmesh/vllm/worker_extension.py,
@@ -47,6 +48,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._saved: dict[TenantKey, int | None] = {}
         self._recovered: dict[str, RecoveryReport] = {}
+        self._kept: set[str] = set()  # requests whose output was read: their blocks may go
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = [kv_caches[name] for name in self.layout.layer_names]
@@ -81,6 +83,27 @@ class WorkerSide:
                     "kmesh: block %d not loaded, vLLM recomputes it: %s", load.block_id, error
                 )
                 self._load_errors.add(load.block_id)
+
+    def keep_outputs(self, metadata: KMeshConnectorMetadata) -> None:
+        """Read finished requests' generated rows (exact, from the pages their blocks still hold)
+        into recovery's output segments. Without recovery attached there is nothing to keep them
+        in; the blocks are released all the same."""
+        for out in metadata.outputs:
+            self._kept.add(out.request_id)
+            if self._recovery is None or self._pages is None:
+                continue
+            try:
+                positions = torch.arange(out.start, out.start + len(out.token_ids))
+                k, v = self._pages.read(out.block_ids, positions)
+                self._recovery.keep_output(out.tenant, out.token_ids, k, v, out.start)
+            except Exception as error:  # a kept output is an optimisation: never fatal
+                log.warning("kmesh: output of %s not kept: %s", out.request_id, error)
+
+    def take_kept(self) -> set[str]:
+        """The requests whose output was read since the last call (each finished in the step
+        before the one that read it, so vLLM has named it in a `get_finished` call)."""
+        kept, self._kept = self._kept, set()
+        return kept
 
     def attach_recovery(self, recovery: RequestRecovery) -> None:
         self._recovery = recovery
