@@ -64,10 +64,14 @@ def job(ids, spans, spec, start=BLOCK, request_id="r", tenant=SALT, family=None,
 def run(recovery, executor, ids, spans, spec, **kw):
     work = job(ids, spans, spec, **kw)
     pages = ExactPages(executor, ids)
-    return recovery.run([work], pages)[work.request_id], pages, work
+    return recovery.run([work], pages, no_write)[work.request_id], pages, work
 
 
 NONE = RecoverySpec(policy="none", gate=None)
+
+
+def no_write(job, outcome) -> None:
+    """The engine's writer, where a test reads the outcomes instead."""
 
 
 def test_the_first_reader_computes_its_region_exactly_and_stores_its_shared_segments(model):
@@ -193,7 +197,7 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, ma
             work = next(w for w in jobs if w.block_ids == block_ids)
             return ExactPages(executor, work.token_ids).read(block_ids, positions)
 
-    outcomes = recovery.run(jobs, Pages())
+    outcomes = recovery.run(jobs, Pages(), no_write)
     first, second = outcomes["s0"].report, outcomes["s1"].report
     assert first.master_bytes > 0 and second.shared_computed_tokens == second.master_bytes == 0
     assert second.reused_tokens == len(A) + len(B)
@@ -217,7 +221,7 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, ma
     torch.testing.assert_close(k1, moved, atol=1e-5, rtol=1e-4)
     # A sibling arriving in a later step reuses the same master.
     later = job(*prompt("ab", private="y"), spec, request_id="s2", family="f")
-    report = recovery.run([later], ExactPages(executor, later.token_ids))["s2"].report
+    report = recovery.run([later], ExactPages(executor, later.token_ids), no_write)["s2"].report
     assert report.master_bytes == 0 and report.reused_tokens == len(A) + len(B)
 
 
@@ -228,7 +232,7 @@ def test_a_master_sibling_computes_a_round_segment_reaching_past_the_claim_whole
     ids, spans = prompt("ab", private="y", ask=[60])  # b ends past the claim
     work = job(ids, spans, spec, family="f")
     assert work.end < span(spans, "b").end
-    outcome = recovery.run([work], ExactPages(executor, ids))["r"]
+    outcome = recovery.run([work], ExactPages(executor, ids), no_write)["r"]
     assert outcome.k is not None and outcome.k.shape[1] == work.end - work.start
     assert outcome.report.computed_tokens == span(spans, "b").end - work.start
 
@@ -252,8 +256,67 @@ def test_a_dropped_master_is_built_again_by_the_rounds_next_sibling(model):
     def sibling(round_id: str, request_id: str):
         spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id=round_id, segments=["a"]))
         work = job(*prompt("ab"), spec, request_id=request_id, family="f")
-        return recovery.run([work], ExactPages(executor, work.token_ids))[request_id].report
+        return recovery.run([work], ExactPages(executor, work.token_ids), no_write)[
+            request_id
+        ].report
 
     assert sibling("r1", "s1").master_bytes > 0
     assert sibling("r2", "s2").master_bytes > 0  # drops r1's master
     assert sibling("r1", "s3").master_bytes > 0  # built again
+
+
+def test_a_siblings_claim_starts_after_the_kept_trunk_tail_whose_rows_it_takes_as_they_are(model):
+    executor, fingerprint = model
+    recovery = RequestRecovery(executor, fingerprint, page_size=BLOCK)
+    first_ids, first_spans = prompt("ab")  # the trunk (SYSTEM, 5 tokens) ends inside page 1
+    first = job(first_ids, first_spans, NONE, start=0)
+    first_out = recovery.run([first], ExactPages(executor, first_ids), no_write)["r"]
+    ids, spans = prompt("ba", private="y")
+    second = job(ids, spans, NONE, request_id="r2", first_block=10)
+    outcome = recovery.run([second], ExactPages(executor, ids), no_write)["r2"]
+    assert outcome.report.tail_tokens == len(SYSTEM) - BLOCK
+    assert outcome.k is not None and first_out.k is not None
+    assert torch.equal(outcome.k[:, :1], first_out.k[:, BLOCK : len(SYSTEM)])
+    # The rest of the claim is recovered after the tail: the trunk's row 4, which the stored
+    # segment would otherwise have placed (re-rotated), is the first sibling's row itself.
+    assert outcome.k.shape[1] == second.end - second.start
+    alone = RequestRecovery(executor, fingerprint)  # keeps no tails; the same stored segments
+    alone.run([first], ExactPages(executor, first_ids), no_write)
+    without = alone.run(
+        [job(ids, spans, NONE, request_id="r3")], ExactPages(executor, ids), no_write
+    )["r3"]
+    assert outcome.report.reused_tokens == without.report.reused_tokens - 1
+    assert outcome.report.computed_tokens == without.report.computed_tokens
+
+
+def test_a_round_sibling_continues_its_own_previous_prompt_from_its_kept_tail(model):
+    executor, fingerprint = model
+    recovery = RequestRecovery(executor, fingerprint, page_size=BLOCK)
+    earlier_ids, earlier_spans = prompt("a", private="y")  # ... a ends at 18, then the ask
+    earlier = job(earlier_ids, earlier_spans, NONE, start=0)
+    recovery.run([earlier], ExactPages(executor, earlier_ids), no_write)
+    # The next prompt continues it before its ask: its page hit ends at 16, the tail is 16, 17.
+    ids, spans = prompt("ab", private="y")
+    spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["b"]))
+    sibling = job(ids, spans, spec, start=16, request_id="s", family="f")
+    outcome = recovery.run([sibling], ExactPages(executor, ids), no_write)["s"]
+    assert outcome.report.tail_tokens == 2 and outcome.k is not None
+    assert outcome.k.shape[1] == sibling.end - sibling.start
+
+
+def test_each_outcome_is_written_before_a_later_job_of_the_step_reads_its_prefix(model):
+    executor, fingerprint = model
+    recovery = RequestRecovery(executor, fingerprint)
+    events: list[str] = []
+
+    class Pages(ExactPages):
+        def read(self, block_ids, positions):
+            events.append(f"read {block_ids[0]}")
+            return super().read(block_ids, positions)
+
+    ids, spans = prompt("ab")
+    jobs = [job(ids, spans, NONE, request_id=f"r{i}", first_block=10 * i) for i in (1, 2)]
+    recovery.run(
+        jobs, Pages(executor, ids), lambda job, _: events.append(f"write {job.request_id}")
+    )
+    assert events == ["read 10", "write r1", "read 20", "write r2"]

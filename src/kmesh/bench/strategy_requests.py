@@ -9,8 +9,9 @@ requests.py), so both request-level benches (the vLLM bench, the closed loop) se
   author KV, as in the reference bench;
 - collective: the segments, a family and the round (the previous round's outputs, in author
   order: the master's canonical order), `agent_ratio` recomputed per agent.
-Approximate strategies run under salts starting with `kmesh-approx` (each its own); round 0 holds
-no outputs and is sent without recovery.
+Approximate strategies run under salts starting with `kmesh-approx` (each its own). Round 0 holds
+no outputs: they send it with policy full (exact), so that only the first agent's trunk past the
+engine's last whole page is reused by the others, as it is (kmesh/recovery/prefix_tails.py).
 """
 
 from typing import Any
@@ -33,9 +34,9 @@ def strategy_request(
         return None if not variant else f"prefix{variant}", None
     salt = f"kmesh-approx:{name}{variant}"
     keep = {"keep_output": True} if name == "per_request" else {}
-    if r == 0:
-        return salt, keep or None
     segments = [_segment_spec(s) for s in turn.prompt.segments]
+    if r == 0:
+        return salt, {"segments": segments, "recovery": {"policy": "full"}, **keep}
     recovery: dict[str, Any] = {
         "policy": cfg.policy,
         "gate": cfg.gate,

@@ -10,14 +10,14 @@ from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 from kmesh.recovery.jobs import RecoverTokens
-from kmesh.recovery.requests import RequestRecovery
+from kmesh.recovery.requests import Outcome, RequestRecovery
 
 
 class ModelRunner:
     def __init__(self, executor: Executor, cache: PagedKVCache, fingerprint: str) -> None:
         self.executor = executor
         self.cache = cache
-        self.recovery = RequestRecovery(executor, fingerprint)
+        self.recovery = RequestRecovery(executor, fingerprint, page_size=cache.block_size)
 
     def step(self, batch: ScheduledBatch) -> torch.Tensor:
         """Do the batch's block copies, fill the rows recovery claims, compute every sequence's
@@ -62,7 +62,7 @@ class ModelRunner:
 
     def _recover(self, seqs: list[Sequence]) -> None:
         """Recovery claims every prompt row after the prefix hit but the last (which the step
-        then computes, giving the logits, as vLLM computes its last block); rows the gate left
+        then computes, giving the logits, as vLLM does); rows the gate left
         alone are computed by the step."""
         claims = []
         for seq in seqs:
@@ -88,18 +88,21 @@ class ModelRunner:
             )
         if not claims:
             return
-        outcomes = self.recovery.run([job for _, job in claims], _CacheRows(self.cache))
-        for seq, job in claims:
-            outcome = outcomes[job.request_id]
+        by_id = {job.request_id: seq for seq, job in claims}
+
+        def write(job: RecoverTokens, outcome: Outcome) -> None:
+            seq = by_id[job.request_id]
             seq.stats.recovery = asdict(outcome.report)
             if outcome.k is None or outcome.v is None:
-                continue
+                return
             slots = self.cache.slots(seq.block_table, job.start, job.end)
             for layer in range(self.executor.config.num_layers):
                 self.cache.write(layer, slots, outcome.k[layer], outcome.v[layer])
             seq.num_computed = job.end
             seq.stats.computed_tokens -= job.end - job.start
             seq.stats.recovered_tokens = job.end - job.start
+
+        self.recovery.run([job for _, job in claims], _CacheRows(self.cache), write)
 
     def keep_output(self, seq: Sequence) -> None:
         """Hand the finished sequence's generated rows (every output token fed back) to

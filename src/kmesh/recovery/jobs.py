@@ -49,6 +49,8 @@ class RecoveryReport:
     reused_tokens: int  # claimed tokens whose KV came from stored segment KV (re-rotated)
     deviation: float | None  # mean relative key deviation at the check layer, if computed
     fell_back: bool  # the gate sent the claimed tokens back to the engine's own prefill
+    # claimed rows taken as they were from a kept tail continuing the prefix (prefix_tails.py)
+    tail_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,8 @@ reader, a dropped master rebuilt by the round's next sibling, a dropped common c
 from the family's leading shared segments.
 """
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +54,7 @@ from kmesh.recovery.collective import (
 )
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan
 from kmesh.recovery.ledger import Ledger
+from kmesh.recovery.prefix_tails import PrefixTails, Rows
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace
 
@@ -86,6 +87,10 @@ class Outcome:
     v: torch.Tensor | None
 
 
+# Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
+Writer = Callable[[RecoverTokens, Outcome], None]
+
+
 class PrefixReader(Protocol):
     """An engine's pages: the exact KV of a request's rows."""
 
@@ -100,29 +105,75 @@ class RequestRecovery:
     """Holds the executor, the stored segment KV and the rounds' masters of one engine."""
 
     def __init__(
-        self, executor: Executor, fingerprint: str, max_bytes: int = DEFAULT_RECOVERY_BYTES
+        self,
+        executor: Executor,
+        fingerprint: str,
+        max_bytes: int = DEFAULT_RECOVERY_BYTES,
+        page_size: int | None = None,
     ) -> None:
+        """`page_size`: the engine's prefix-cache page in tokens, to keep prompts' tails past
+        whole pages (prefix_tails.py); None keeps none."""
         self.executor = executor
         self.fingerprint = fingerprint
         self.ledger = Ledger(max_bytes)
+        self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
         self._segments: dict[str | None, SegmentIndex[SegmentKV]] = {}
         self._commons: dict[tuple[str | None, str], CommonContext] = {}
         self._masters: dict[_Key, Master] = {}
 
-    def run(self, jobs: Sequence[RecoverTokens], pages: PrefixReader) -> dict[str, Outcome]:
-        """Recover one step's jobs: per-request ones in order (each may store segments the next
-        reuses), each round's siblings together."""
+    def run(
+        self, jobs: Sequence[RecoverTokens], pages: PrefixReader, write: Writer
+    ) -> dict[str, Outcome]:
+        """Recover one step's jobs: per-request ones in order (each may store segments and
+        tails the next reuses), each round's siblings together. Each outcome goes to `write`
+        before a later job is recovered (a later job of the step may read its rows as prefix:
+        an engine's prefix cache can hand it pages this step fills). A job whose prefix a kept
+        tail continues starts after it (the tail's rows are written as they are)."""
         outcomes: dict[str, Outcome] = {}
         rounds: dict[_Key, list[RecoverTokens]] = {}
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
-                outcomes[job.request_id] = self._per_request(job, pages)
+                tails = _TailPages(pages)
+                continued = self._continued(job, tails)
+                outcome = self._per_request(continued, tails)
+                outcomes[job.request_id] = self._finish(job, outcome, tails)
+                write(job, outcomes[job.request_id])
             else:
                 rounds.setdefault((job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
-            outcomes.update(self._round(key, siblings, pages))
+            tails = _TailPages(pages)
+            done = self._round(key, [self._continued(job, tails) for job in siblings], tails)
+            for job in siblings:
+                outcomes[job.request_id] = self._finish(job, done[job.request_id], tails)
+                write(job, outcomes[job.request_id])
         return outcomes
+
+    def _continued(self, job: RecoverTokens, tails: "_TailPages") -> RecoverTokens:
+        """The job after the longest kept tail its prefix continues, the tail handed to
+        `tails` (which then serves its rows as prefix); the job itself without one."""
+        found = None if self.tails is None else self.tails.find(job)
+        if found is None:
+            return job
+        end, rows = found
+        self.ledger.touch(("tail", job.tenant, tuple(job.token_ids[:end])))
+        tails.add(job, rows)
+        return replace(job, start=end)
+
+    def _finish(self, job: RecoverTokens, outcome: Outcome, tails: "_TailPages") -> Outcome:
+        """The outcome over the job's whole claim (a used tail's rows first), its tails kept."""
+        tail = tails.of(job)
+        if tail is not None:
+            report = replace(outcome.report, tail_tokens=tail[0].shape[1])
+            if outcome.k is None or outcome.v is None:
+                return Outcome(report, None, None)
+            k = torch.cat((tail[0], outcome.k), dim=1)
+            v = torch.cat((tail[1], outcome.v), dim=1)
+            outcome = Outcome(report, k, v)
+        if self.tails is not None and outcome.k is not None and outcome.v is not None:
+            for prefix, nbytes in self.tails.keep(job, outcome.k, outcome.v):
+                self._hold(("tail", job.tenant, prefix), nbytes)
+        return outcome
 
     # -- per request -----------------------------------------------------------------------
 
@@ -391,6 +442,9 @@ class RequestRecovery:
                 self._index(dropped[1]).discard(dropped[2], dropped[3])
             elif dropped[0] == "master":  # ("master", (tenant, family, round id))
                 self._masters.pop(dropped[1], None)
+            elif dropped[0] == "tail":  # ("tail", tenant, prefix tokens)
+                if self.tails is not None:
+                    self.tails.discard(dropped[1], dropped[2])
             else:  # ("common", tenant, family)
                 self._commons.pop((dropped[1], dropped[2]), None)
 
@@ -404,6 +458,38 @@ class RequestRecovery:
     def _blank(self, n: int) -> torch.Tensor:
         c = self.executor.config
         return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
+
+
+class _TailPages:
+    """An engine's pages, plus the kept tails that continue some jobs' prefixes (by block ids:
+    each request's own)."""
+
+    def __init__(self, pages: PrefixReader) -> None:
+        self.pages = pages
+        self._tails: dict[tuple[int, ...], tuple[int, Rows]] = {}
+
+    def add(self, job: RecoverTokens, rows: Rows) -> None:
+        self._tails[tuple(job.block_ids)] = (job.start, rows)
+
+    def of(self, job: RecoverTokens) -> Rows | None:
+        held = self._tails.get(tuple(job.block_ids))
+        return None if held is None else held[1]
+
+    def read(
+        self, block_ids: Sequence[int], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._tails.get(tuple(block_ids))
+        if held is None:
+            return self.pages.read(block_ids, positions)
+        start, (k, v) = held
+        paged = positions < start
+        out_k = torch.empty((k.shape[0], len(positions), *k.shape[2:]), dtype=k.dtype)
+        out_v = torch.empty_like(out_k)
+        if bool(paged.any()):
+            out_k[:, paged], out_v[:, paged] = self.pages.read(block_ids, positions[paged])
+        kept = positions[~paged] - start
+        out_k[:, ~paged], out_v[:, ~paged] = k[:, kept], v[:, kept]
+        return out_k, out_v
 
 
 def _round_spans(job: RecoverTokens) -> list[SegmentSpan]:

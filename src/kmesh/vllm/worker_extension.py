@@ -39,5 +39,6 @@ class KMeshWorkerExtension:
         executor = executor_of_vllm_model(self.model_runner.get_model(), config)
         transfer = self.vllm_config.kv_transfer_config
         limit = int(transfer.get_from_extra_config("recovery_bytes", DEFAULT_RECOVERY_BYTES))
-        attach(RequestRecovery(executor, model_fingerprint(path), limit))
+        page = self.vllm_config.cache_config.block_size
+        attach(RequestRecovery(executor, model_fingerprint(path), limit, page_size=page))
         return config.num_layers

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
-from kmesh.recovery.requests import RequestRecovery
+from kmesh.recovery.requests import Outcome, RequestRecovery
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.client import encode_meta, write_segment
 from kmesh.vllm.layout import BlockLayout
@@ -123,20 +123,21 @@ class WorkerSide:
                     "(kmesh.vllm.config.attach) after starting the engine"
                 )
             self._check_recoverable(self._recovery.executor.dtype)
-            outcomes = self._recovery.run(jobs, pages)
+
+            def write(job: RecoverTokens, outcome: Outcome) -> None:
+                self._recovered[job.request_id] = outcome.report
+                if outcome.k is None or outcome.v is None:
+                    self._give_back(job)
+                    return
+                positions = torch.arange(job.start, job.end)
+                pages.write(job.block_ids, positions, outcome.k, outcome.v, attention_layers)
+
+            self._recovery.run(jobs, pages, write)
         except Exception as error:  # recovery must never take the engine down: vLLM computes
             log.warning("kmesh: recovery failed, vLLM computes the claimed tokens: %s", error)
             for job in jobs:
+                self._recovered.pop(job.request_id, None)
                 self._give_back(job)
-            return
-        for job in jobs:
-            outcome = outcomes[job.request_id]
-            self._recovered[job.request_id] = outcome.report
-            if outcome.k is None or outcome.v is None:
-                self._give_back(job)
-                continue
-            positions = torch.arange(job.start, job.end)
-            pages.write(job.block_ids, positions, outcome.k, outcome.v, attention_layers)
 
     def _check_recoverable(self, executor_dtype: torch.dtype) -> None:
         """Raise unless recovery can fill this engine's cache: vLLM's CPU page layout (the only

@@ -1,0 +1,90 @@
+"""Continuations of a prefix at token granularity: the rows past an engine's last whole page.
+
+An engine's prefix cache hits whole pages, so a prompt that shares more with an earlier one than
+its whole pages hold (a sibling's trunk ending inside a page; an agent's previous prompt minus its
+instruction, which its next prompt continues) has the shared rows of that partial page computed
+again. A recovering request keeps those rows at two boundaries of its prompt (`boundaries`): the
+end of its leading shared segments (its family's trunk) and the start of its last segment (where
+the next prompt of a transcript continues). Each kept tail is the rows [a, b) from the boundary's
+page start a to the boundary b (less than a page), keyed by every token before b in the tenant's
+namespace (SHA-256; a hit compares tokens). A later request whose claim starts at a takes the
+longest kept tail its own tokens continue as it is: the same tokens at the same positions after
+the same prefix, i.e. the rows the earlier request held there (exact where its were).
+
+Invariants: a tail never crosses tenants; a tail is used only when its every token before b equals
+the request's; rows are kept only from a region that was written (not one the gate gave back).
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from kmesh.index.segment_index import SegmentIndex
+from kmesh.recovery.jobs import RecoverTokens
+from kmesh.state.keys import KeyNamespace
+
+TAIL = "prefix-tail"
+
+Rows = tuple[torch.Tensor, torch.Tensor]  # k, v [layers, n, kv_heads, head_dim]
+
+
+def boundaries(job: RecoverTokens) -> list[int]:
+    """The prompt positions after which `job`'s prompt is likely continued by another."""
+    if not job.spans:
+        return []
+    trunk = 0
+    for span in job.spans:
+        if span.role != "shared":
+            break
+        trunk = span.end
+    return sorted({b for b in (trunk, job.spans[-1].start) if b > 0})
+
+
+class PrefixTails:
+    """Kept tails of every tenant; the owner bounds their bytes (see `keep` and `discard`)."""
+
+    def __init__(self, fingerprint: str, page_size: int) -> None:
+        self.fingerprint = fingerprint
+        self.page_size = page_size
+        self._index: dict[str | None, SegmentIndex[Rows]] = {}
+
+    def find(self, job: RecoverTokens) -> tuple[int, Rows] | None:
+        """The longest kept tail that continues `job`'s prefix inside its claim, ending before
+        the claim does: (b, rows [job.start, b)), or None."""
+        index = self._index.get(job.tenant)
+        if index is None or job.start % self.page_size:
+            return None
+        for b in range(min(job.start + self.page_size - 1, job.end - 1), job.start, -1):
+            rows = index.get(job.token_ids[:b], TAIL)
+            if rows is not None:
+                return b, rows
+        return None
+
+    def keep(
+        self, job: RecoverTokens, k: torch.Tensor, v: torch.Tensor
+    ) -> list[tuple[tuple[int, ...], int]]:
+        """Keep the tails at `job`'s boundaries from its written rows [start, end) (k, v); the
+        token prefixes they were filed under, with their bytes (less than a page of rows each)."""
+        filed = []
+        for b in boundaries(job):
+            a = b - b % self.page_size
+            if a == b or a < job.start or b > job.end:
+                continue
+            rows = slice(a - job.start, b - job.start)
+            prefix = tuple(job.token_ids[:b])
+            tail = (k[:, rows].clone(), v[:, rows].clone())
+            self._tenant(job.tenant).put(prefix, TAIL, 0, tail)
+            filed.append((prefix, tail[0].nbytes + tail[1].nbytes))
+        return filed
+
+    def discard(self, tenant: str | None, prefix: Sequence[int]) -> None:
+        index = self._index.get(tenant)
+        if index is not None:
+            index.discard(prefix, TAIL)
+
+    def _tenant(self, tenant: str | None) -> SegmentIndex[Rows]:
+        index = self._index.get(tenant)
+        if index is None:
+            index = SegmentIndex(KeyNamespace(self.fingerprint, None, tenant))
+            self._index[tenant] = index
+        return index

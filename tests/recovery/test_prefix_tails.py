@@ -1,0 +1,70 @@
+"""Kept prompt tails past an engine's last whole page (kmesh/recovery/prefix_tails.py), with
+stand-in rows: which boundaries are kept, and when a later request may take one."""
+
+import torch
+
+from kmesh.recovery.jobs import RecoverTokens, SegmentSpan
+from kmesh.recovery.prefix_tails import PrefixTails, boundaries
+from kmesh.state.request_meta import RecoverySpec
+
+PAGE = 4
+SPEC = RecoverySpec(policy="none")
+
+
+def job(parts, start, tenant="kmesh-approx:t", end=None) -> RecoverTokens:
+    """A job over segments given as (role, tokens), claiming [start, end or the last token)."""
+    ids: list[int] = []
+    spans = []
+    for i, (role, tokens) in enumerate(parts):
+        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, f"s{i}"))
+        ids.extend(tokens)
+    stop = len(ids) - 1 if end is None else end
+    return RecoverTokens("r", ids, [0, 1, 2, 3, 4], start, stop, tenant, spans, SPEC, None)
+
+
+SYSTEM = ("shared", [1, 2, 3, 4, 5, 6])  # the trunk ends at 6, inside page [4, 8)
+
+
+def rows(work: RecoverTokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct rows for the claim [start, end): row i holds position start + i."""
+    n = work.end - work.start
+    k = torch.arange(work.start, work.end, dtype=torch.float32).view(1, n, 1, 1).expand(2, n, 1, 3)
+    return k.clone(), -k.clone()
+
+
+def test_the_trunks_end_and_the_last_segments_start_are_the_boundaries():
+    work = job([SYSTEM, ("private", [7, 8, 9]), ("shared", [10, 11]), ("instruction", [12])], 0)
+    assert boundaries(work) == [6, 11]
+    assert boundaries(job([("private", [7, 8]), ("instruction", [9, 9])], 0)) == [2]
+
+
+def test_a_sibling_whose_prefix_continues_the_kept_tail_takes_its_rows():
+    tails = PrefixTails("model", PAGE)
+    first = job([SYSTEM, ("private", [7, 8, 9]), ("instruction", [12, 13])], 0)
+    kept = tails.keep(first, *rows(first))
+    assert [(len(prefix), nbytes) for prefix, nbytes in kept] == [
+        (6, 96),
+        (9, 48),
+    ]  # k and v: 2 layers x rows x 3 floats
+    sibling = job([SYSTEM, ("private", [20, 21]), ("instruction", [12])], 4)  # page 0 hit
+    found = tails.find(sibling)
+    assert found is not None
+    end, (k, v) = found
+    assert end == 6 and torch.equal(k[0, :, 0, 0], torch.tensor([4.0, 5.0]))  # rows 4 and 5
+    assert torch.equal(v, -k)
+
+
+def test_a_tail_is_taken_only_by_the_same_tokens_in_the_same_tenant_inside_the_claim():
+    tails = PrefixTails("model", PAGE)
+    first = job([SYSTEM, ("private", [7, 8, 9]), ("instruction", [12, 13])], 0)
+    tails.keep(first, *rows(first))
+    other_tenant = job([SYSTEM, ("instruction", [7, 8])], 4, tenant="kmesh-approx:u")
+    assert tails.find(other_tenant) is None
+    other_token = job([("shared", [1, 2, 3, 4, 5, 0]), ("instruction", [7, 8])], 4)
+    assert tails.find(other_token) is None
+    short_claim = job([SYSTEM, ("instruction", [7, 8])], 4, end=6)  # the tail would fill it all
+    assert tails.find(short_claim) is None
+    off_page = job([SYSTEM, ("instruction", [7, 8])], 3)  # a claim starting inside a page
+    assert tails.find(off_page) is None
+    tails.discard("kmesh-approx:t", first.token_ids[:6])
+    assert tails.find(job([SYSTEM, ("instruction", [7, 8])], 4)) is None
