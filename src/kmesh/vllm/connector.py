@@ -9,7 +9,9 @@ families, stats, recovery claims) and the worker role (worker_side.py: block cop
 rows from recovery.py, on the model the worker extension attaches: worker_extension.py).
 Without a store it only reports per-request stats (and recovers, if asked). Each finished
 request's output carries `kv_transfer_params["kmesh"]` = {prompt_tokens, reused_tokens,
-restored_tokens, recovered_tokens, computed_tokens, family, and `recovery` when asked}.
+restored_tokens, recovered_tokens, computed_tokens, family, `recovery` when asked, and
+`kept_output_tokens` when it kept its output (its blocks are then freed a step later, once the
+worker half has read its generated rows)}.
 """
 
 from typing import TYPE_CHECKING, Any
