@@ -145,9 +145,24 @@ def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
         assert client.stats()["pinned"] == 0
 
 
-def test_a_recovery_request_claims_every_row_after_the_local_hit_but_the_last(store):
+APPROXIMATE = {"recovery": {"policy": "kv_deviation", "ratio": 0.3}}
+
+
+def test_an_exact_recovery_claims_the_whole_blocks_after_the_local_hit(store):
     scheduler = side(store)
     req = request("a", kmesh={"recovery": {"policy": "full"}})
+    # block 1 only: vLLM's kernels compute the partial last block (full is vLLM's computation)
+    assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (BLOCK, False)
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 4)
+    (job,) = scheduler.build_connector_meta(NOTHING_SCHEDULED).recoveries
+    assert (job.start, job.end) == (BLOCK, 2 * BLOCK)
+    stats = finish(scheduler, req)
+    assert (stats["recovered_tokens"], stats["computed_tokens"]) == (BLOCK, len(PROMPT) - 2 * BLOCK)
+
+
+def test_an_approximate_recovery_claims_every_row_after_the_local_hit_but_the_last(store):
+    scheduler = side(store)
+    req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
     claim = len(PROMPT) - 1 - BLOCK  # not a whole number of blocks: vLLM computes the last row
     assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (claim, False)
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],))
@@ -163,9 +178,6 @@ def test_a_recovery_request_claims_every_row_after_the_local_hit_but_the_last(st
         claim,
         1,
     )
-
-
-APPROXIMATE = {"recovery": {"policy": "kv_deviation", "ratio": 0.3}}
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,9 @@ requests.py), so both request-level benches (the vLLM bench, the closed loop) se
 - collective: the segments, a family and the round (the previous round's outputs, in author
   order: the master's canonical order), `agent_ratio` recomputed per agent.
 Approximate strategies run under salts starting with `kmesh-approx` (each its own). Round 0 holds
-no outputs: they send it with policy full (exact), so that only the first agent's trunk past the
-engine's last whole page is reused by the others, as it is (kmesh/recovery/prefix_tails.py).
+no outputs (collective declares no round in it), so recovery reuses only the first agent's trunk
+past the engine's last whole page in the others, as it is (kmesh/recovery/prefix_tails.py), and
+keeps each prompt's tail for its next round.
 """
 
 from typing import Any
@@ -35,14 +36,14 @@ def strategy_request(
     salt = f"kmesh-approx:{name}{variant}"
     keep = {"keep_output": True} if name == "per_request" else {}
     segments = [_segment_spec(s) for s in turn.prompt.segments]
-    if r == 0:
-        return salt, {"segments": segments, "recovery": {"policy": "full"}, **keep}
     recovery: dict[str, Any] = {
         "policy": cfg.policy,
         "gate": cfg.gate,
         "check_layer": cfg.check_layer,
         "gate_sample": cfg.gate_sample,
     }
+    if r == 0 and name == "collective":  # no round to declare yet
+        return salt, {"segments": segments, "recovery": {**recovery, "ratio": cfg.agent_ratio}}
     if name == "per_request":
         return salt, {
             "segments": segments,

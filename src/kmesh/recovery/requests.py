@@ -2,10 +2,10 @@
 
 Both engines hand their jobs (kmesh/recovery/jobs.py) here: each claims every prompt row after its
 local prefix hit but the last ([start, end); vLLM's connector, whose worker half runs this before
-vLLM's forward pass, and the reference engine's runner). The engine then computes the rest of the
-prompt against the filled rows. The exact prefix [0, start) is read back from the engine's pages (a
-PrefixReader: kmesh/vllm/pages.py, kmesh/kv/kv_cache.py); the region [start, end) goes through
-kmesh.recovery:
+vLLM's forward pass, claims whole pages only for policy full; the reference engine's runner). The
+engine then computes the rest of the prompt against the filled rows. The exact prefix [0, start) is
+read back from the engine's pages (a PrefixReader: kmesh/vllm/pages.py, kmesh/kv/kv_cache.py); the
+region [start, end) goes through kmesh.recovery:
 
 - per request (no round): each shared segment in the region whose KV is stored (keyed by tenant
   and tokens) is re-rotated to its positions and reused, or else the stored output of an earlier

@@ -13,7 +13,7 @@ Every store failure falls back to vLLM computing the tokens itself.
 
 A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec)
 skips the store: its rows after the local hit, all but the prompt's last (a claim need not end on
-a block boundary), are claimed and filled by the worker half
+a block boundary; policy full claims whole blocks only), are claimed and filled by the worker half
 (kmesh/recovery/requests.py), which reports what it computed; blocks it could not fill (the quality
 gate, no model attached) come back as load errors and vLLM computes them. Recovery is refused
 (vLLM computes the prompt as usual) for LoRA requests, and an approximate one without a cache_salt
@@ -37,6 +37,7 @@ from kmesh.state.keys import BlockHash, KeyNamespace, extend_block_keys
 from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
     KMeshParams,
+    RecoverySpec,
     parse_kmesh_params,
     recovery_refusal,
     segment_spans,
@@ -138,9 +139,10 @@ class SchedulerSide:
                 request.cache_salt,
                 None if lora is None else lora.lora_name,
             )
-            if refusal is None:  # every row but the last, which vLLM computes (its logits)
+            if refusal is None:
                 tracked.recovering = True
-                return max(0, request.num_prompt_tokens - 1 - num_computed_tokens), False
+                claim = self._recovery_claim(request, tracked.params.recovery, first)
+                return claim, False
             tracked.recovery = {"refused": refusal}  # served as an ordinary (exact) request
         if not self.available:
             return 0, False
@@ -173,6 +175,17 @@ class SchedulerSide:
                 tracked.lead[offset] = key
         tracked.hits = list(got.hits[: max(0, loadable - first)])
         return len(tracked.hits) * self.block_size, False
+
+    def _recovery_claim(self, request: Any, spec: RecoverySpec, first: int) -> int:
+        """Rows to claim after the local hit (`first` whole blocks): every one but the last
+        (whose logits vLLM computes); for policy full whole blocks only, so that vLLM's own
+        kernels compute the partial last one: full promises vLLM's computation up to rounding,
+        and in bfloat16 KMesh's executor computing those last rows too moved a logprob by 0.125
+        nats (tests/vllm/test_bf16.py)."""
+        start = first * self.block_size
+        if spec.approximate:
+            return max(0, request.num_prompt_tokens - 1 - start)
+        return max(0, (request.num_prompt_tokens - 1) // self.block_size * self.block_size - start)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._requests[request.request_id]
