@@ -4,11 +4,14 @@ A request that declares segments and a RecoverySpec (kmesh.state.request_meta) i
 kmesh.recovery.requests.RequestRecovery as a RecoverTokens job: fill its rows [start, end) after
 its exact prefix (vLLM's local prefix hit, or the reference engine's). vLLM's connector builds the
 job in its scheduler half and runs it in its worker half; the reference engine builds and runs it
-in its runner.
+in its runner. Each engine reads a job's exact prefix back from its own pages (a PrefixReader).
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from kmesh.errors import InvalidRequestError
 from kmesh.state.request_meta import KMeshParams, RecoverySpec
@@ -36,6 +39,16 @@ class RecoverTokens:
     spans: list[SegmentSpan]  # the prompt's segments (empty without segments)
     spec: RecoverySpec
     family: str | None
+
+
+class PrefixReader(Protocol):
+    """An engine's pages: the exact KV of a request's rows."""
+
+    def read(
+        self, block_ids: Sequence[int], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, n, kv_heads, head_dim] of the request's rows at `positions` [n]."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ page start a to the boundary b (less than a page), keyed by every token before b
 namespace (SHA-256; a hit compares tokens). A later request whose claim starts at a takes the
 longest kept tail its own tokens continue as it is: the same tokens at the same positions after
 the same prefix, i.e. the rows the earlier request held there (exact where its were).
+`TailPages` serves a job's prefix from the engine's pages and the tail that continues it.
 
 Invariants: a tail never crosses tenants; a tail is used only when its every token before b equals
 the request's; rows are kept only from a region that was written (not one the gate gave back).
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from kmesh.index.segment_index import SegmentIndex
-from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.jobs import PrefixReader, RecoverTokens
 from kmesh.state.keys import KeyNamespace
 
 TAIL = "prefix-tail"
@@ -88,3 +89,35 @@ class PrefixTails:
             index = SegmentIndex(KeyNamespace(self.fingerprint, None, tenant))
             self._index[tenant] = index
         return index
+
+
+class TailPages:
+    """An engine's pages, plus the kept tails that continue some jobs' prefixes (by block ids:
+    each request's own)."""
+
+    def __init__(self, pages: PrefixReader) -> None:
+        self.pages = pages
+        self._tails: dict[tuple[int, ...], tuple[int, Rows]] = {}
+
+    def add(self, job: RecoverTokens, rows: Rows) -> None:
+        self._tails[tuple(job.block_ids)] = (job.start, rows)
+
+    def of(self, job: RecoverTokens) -> Rows | None:
+        held = self._tails.get(tuple(job.block_ids))
+        return None if held is None else held[1]
+
+    def read(
+        self, block_ids: Sequence[int], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._tails.get(tuple(block_ids))
+        if held is None:
+            return self.pages.read(block_ids, positions)
+        start, (k, v) = held
+        paged = positions < start
+        out_k = torch.empty((k.shape[0], len(positions), *k.shape[2:]), dtype=k.dtype)
+        out_v = torch.empty_like(out_k)
+        if bool(paged.any()):
+            out_k[:, paged], out_v[:, paged] = self.pages.read(block_ids, positions[paged])
+        kept = positions[~paged] - start
+        out_k[:, ~paged], out_v[:, ~paged] = k[:, kept], v[:, kept]
+        return out_k, out_v

@@ -37,12 +37,11 @@ from the family's leading shared segments.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
-from kmesh.index.segment_index import AUTHOR, FIRST_READER, SegmentIndex
 from kmesh.kv.master_mirror import Master
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.collective import (
@@ -52,11 +51,11 @@ from kmesh.recovery.collective import (
     master_in_common,
     recover_round,
 )
-from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan
+from kmesh.recovery.jobs import PrefixReader, RecoverTokens, RecoveryReport, SegmentSpan
 from kmesh.recovery.ledger import Ledger
-from kmesh.recovery.prefix_tails import PrefixTails, Rows
+from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
-from kmesh.state.keys import KeyNamespace
+from kmesh.recovery.segment_store import Placed, SegmentStore
 
 # Block granularity of a round's master (the store's unit; independent of vLLM's pages).
 MASTER_BLOCK = 16
@@ -64,19 +63,6 @@ MASTER_BLOCK = 16
 DEFAULT_RECOVERY_BYTES = 1 << 30
 
 _Key = tuple[str | None, str, str]  # (tenant, family, round id)
-
-
-@dataclass(frozen=True, slots=True)
-class _Placed:
-    """Stored KV placed at prompt positions [start, start + n)."""
-
-    start: int
-    k: torch.Tensor  # [layers, n, kv_heads, head_dim]
-    v: torch.Tensor
-
-    @property
-    def end(self) -> int:
-        return self.start + self.k.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +75,6 @@ class Outcome:
 
 # Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
 Writer = Callable[[RecoverTokens, Outcome], None]
-
-
-class PrefixReader(Protocol):
-    """An engine's pages: the exact KV of a request's rows."""
-
-    def read(
-        self, block_ids: Sequence[int], positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [layers, n, kv_heads, head_dim] of the request's rows at `positions` [n]."""
-        ...
 
 
 class RequestRecovery:
@@ -117,7 +93,7 @@ class RequestRecovery:
         self.fingerprint = fingerprint
         self.ledger = Ledger(max_bytes)
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
-        self._segments: dict[str | None, SegmentIndex[SegmentKV]] = {}
+        self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons: dict[tuple[str | None, str], CommonContext] = {}
         self._masters: dict[_Key, Master] = {}
 
@@ -134,7 +110,7 @@ class RequestRecovery:
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
-                tails = _TailPages(pages)
+                tails = TailPages(pages)
                 continued = self._continued(job, tails)
                 outcome = self._per_request(continued, tails)
                 outcomes[job.request_id] = self._finish(job, outcome, tails)
@@ -142,14 +118,14 @@ class RequestRecovery:
             else:
                 rounds.setdefault((job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
-            tails = _TailPages(pages)
+            tails = TailPages(pages)
             done = self._round(key, [self._continued(job, tails) for job in siblings], tails)
             for job in siblings:
                 outcomes[job.request_id] = self._finish(job, done[job.request_id], tails)
                 write(job, outcomes[job.request_id])
         return outcomes
 
-    def _continued(self, job: RecoverTokens, tails: "_TailPages") -> RecoverTokens:
+    def _continued(self, job: RecoverTokens, tails: "TailPages") -> RecoverTokens:
         """The job after the longest kept tail its prefix continues, the tail handed to
         `tails` (which then serves its rows as prefix); the job itself without one."""
         found = None if self.tails is None else self.tails.find(job)
@@ -160,7 +136,7 @@ class RequestRecovery:
         tails.add(job, rows)
         return replace(job, start=end)
 
-    def _finish(self, job: RecoverTokens, outcome: Outcome, tails: "_TailPages") -> Outcome:
+    def _finish(self, job: RecoverTokens, outcome: Outcome, tails: "TailPages") -> Outcome:
         """The outcome over the job's whole claim (a used tail's rows first), its tails kept."""
         tail = tails.of(job)
         if tail is not None:
@@ -177,54 +153,6 @@ class RequestRecovery:
 
     # -- per request -----------------------------------------------------------------------
 
-    def _per_request(self, job: RecoverTokens, pages: PrefixReader) -> Outcome:
-        end = self._storing_end(job)
-        region = self._region(job, pages, self._stored_segments(job), end)
-        recovered = recover(self.executor, [region], self._config(job))[0]
-        if not recovered.fell_back:
-            self._store_computed(job, region, recovered, end)
-        outcome = _outcome(recovered, region)
-        if outcome.k is None or outcome.v is None:
-            return outcome
-        rows = job.end - job.start  # the claimed rows; the rest was computed to be stored
-        return Outcome(outcome.report, outcome.k[:, :rows], outcome.v[:, :rows])
-
-    def _storing_end(self, job: RecoverTokens) -> int:
-        """Where the region ends: the claimed rows, extended to the end of a shared segment that
-        crosses past them (into the prompt's last token) and is stored nowhere yet (so that its
-        first reader can store it whole; those extra tokens are computed twice, once here)."""
-        index = self._index(job.tenant)
-        end = job.end
-        for span in job.spans:
-            crosses = job.start <= span.start < job.end < span.end
-            tokens = job.token_ids[span.start : span.end]
-            if span.role == "shared" and crosses and index.get(tokens, FIRST_READER) is None:
-                end = max(end, span.end)
-        return end
-
-    def _stored_segments(self, job: RecoverTokens) -> dict[int, _Placed]:
-        """Span index -> the stored KV placed at the span's positions, for shared segments
-        stored whole (a first reader's), or holding a stored output (its author's)."""
-        index = self._index(job.tenant)
-        placed = {}
-        for i, span in enumerate(job.spans):
-            if span.role != "shared" or span.end <= job.start or span.start >= job.end:
-                continue
-            tokens = job.token_ids[span.start : span.end]
-            offset, held, context = 0, tokens, FIRST_READER
-            stored = index.get(tokens, FIRST_READER)
-            if stored is None:
-                found = index.find_within(tokens, AUTHOR)
-                if found is None:
-                    continue
-                offset, entry = found
-                stored, held, context = entry.value, list(entry.token_ids), AUTHOR
-            self.ledger.touch(("segment", job.tenant, tuple(held), context))
-            lo = span.start + offset
-            k, v = stored.placed(torch.arange(lo, lo + len(held)), self.executor.config)
-            placed[i] = _Placed(lo, k, v)
-        return placed
-
     def keep_output(
         self,
         tenant: str | None,
@@ -233,35 +161,21 @@ class RequestRecovery:
         v: torch.Tensor,
         start: int,
     ) -> None:
-        """Store a request's generated tokens' KV (rows computed at positions start.., in its
-        own context) as an output segment later readers under `tenant` reuse (author KV)."""
-        if not token_ids:
-            return
-        positions = torch.arange(start, start + len(token_ids))
-        stored = SegmentKV.canonical(k, v, positions, self.executor.config)
-        self._index(tenant).put(token_ids, AUTHOR, 0, stored)
-        self._hold(("segment", tenant, tuple(token_ids), AUTHOR), stored.k.nbytes + stored.v.nbytes)
+        """A finished request's generated rows (its own KV at positions start..), kept as its
+        tenant's output segment (segment_store.py)."""
+        self.segments.keep_output(tenant, token_ids, k, v, start)
 
-    def _store_computed(
-        self, job: RecoverTokens, region: RegionInput, out: Recovered, end: int
-    ) -> None:
-        index = self._index(job.tenant)
-        for span in job.spans:
-            if span.role != "shared" or span.start < job.start or span.end > end:
-                continue
-            rows = slice(span.start - job.start, span.end - job.start)
-            tokens = job.token_ids[span.start : span.end]
-            if bool(region.reusable[rows].any()) or index.get(tokens, FIRST_READER) is not None:
-                continue
-            positions = torch.arange(span.start, span.end)
-            stored = SegmentKV.canonical(
-                out.k[:, rows], out.v[:, rows], positions, self.executor.config
-            )
-            index.put(tokens, FIRST_READER, 0, stored)
-            self._hold(
-                ("segment", job.tenant, tuple(tokens), FIRST_READER),
-                stored.k.nbytes + stored.v.nbytes,
-            )
+    def _per_request(self, job: RecoverTokens, pages: PrefixReader) -> Outcome:
+        end = self.segments.storing_end(job)
+        region = self._region(job, pages, self.segments.placed(job), end)
+        recovered = recover(self.executor, [region], self._config(job))[0]
+        if not recovered.fell_back:
+            self.segments.store_computed(job, region.reusable, recovered.k, recovered.v)
+        outcome = _outcome(recovered, region)
+        if outcome.k is None or outcome.v is None:
+            return outcome
+        rows = job.end - job.start  # the claimed rows; the rest was computed to be stored
+        return Outcome(outcome.report, outcome.k[:, :rows], outcome.v[:, :rows])
 
     # -- collective ------------------------------------------------------------------------
 
@@ -329,11 +243,10 @@ class RequestRecovery:
         round_ = job.spec.round
         assert round_ is not None
         common, cost = self._common_of(tenant, family, job)
-        index = self._index(tenant)
         segments = []
         for span in _round_spans(job):
             tokens = job.token_ids[span.start : span.end]
-            stored = index.get(tokens, FIRST_READER)
+            stored = self.segments.get(tenant, tokens)
             reusable = torch.full((len(tokens),), stored is not None)
             if stored is None:  # computed in the common context
                 stored = SegmentKV(self._blank(len(tokens)), self._blank(len(tokens)))
@@ -381,7 +294,7 @@ class RequestRecovery:
         self,
         job: RecoverTokens,
         pages: PrefixReader,
-        reused: dict[int, "_Placed"],
+        reused: dict[int, Placed],
         end: int | None = None,
     ) -> RegionInput:
         """The claimed rows (to `end`, by default the claim's) as a region: reused rows where
@@ -439,7 +352,7 @@ class RequestRecovery:
         """Keep `key`'s state within the ledger's bound, dropping the least recently used."""
         for dropped in self.ledger.hold(key, nbytes):
             if dropped[0] == "segment":  # ("segment", tenant, tokens, context)
-                self._index(dropped[1]).discard(dropped[2], dropped[3])
+                self.segments.discard(dropped[1], dropped[2], dropped[3])
             elif dropped[0] == "master":  # ("master", (tenant, family, round id))
                 self._masters.pop(dropped[1], None)
             elif dropped[0] == "tail":  # ("tail", tenant, prefix tokens)
@@ -448,48 +361,9 @@ class RequestRecovery:
             else:  # ("common", tenant, family)
                 self._commons.pop((dropped[1], dropped[2]), None)
 
-    def _index(self, tenant: str | None) -> SegmentIndex[SegmentKV]:
-        index = self._segments.get(tenant)
-        if index is None:
-            index = SegmentIndex(KeyNamespace(self.fingerprint, None, tenant))
-            self._segments[tenant] = index
-        return index
-
     def _blank(self, n: int) -> torch.Tensor:
         c = self.executor.config
         return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
-
-
-class _TailPages:
-    """An engine's pages, plus the kept tails that continue some jobs' prefixes (by block ids:
-    each request's own)."""
-
-    def __init__(self, pages: PrefixReader) -> None:
-        self.pages = pages
-        self._tails: dict[tuple[int, ...], tuple[int, Rows]] = {}
-
-    def add(self, job: RecoverTokens, rows: Rows) -> None:
-        self._tails[tuple(job.block_ids)] = (job.start, rows)
-
-    def of(self, job: RecoverTokens) -> Rows | None:
-        held = self._tails.get(tuple(job.block_ids))
-        return None if held is None else held[1]
-
-    def read(
-        self, block_ids: Sequence[int], positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        held = self._tails.get(tuple(block_ids))
-        if held is None:
-            return self.pages.read(block_ids, positions)
-        start, (k, v) = held
-        paged = positions < start
-        out_k = torch.empty((k.shape[0], len(positions), *k.shape[2:]), dtype=k.dtype)
-        out_v = torch.empty_like(out_k)
-        if bool(paged.any()):
-            out_k[:, paged], out_v[:, paged] = self.pages.read(block_ids, positions[paged])
-        kept = positions[~paged] - start
-        out_k[:, ~paged], out_v[:, ~paged] = k[:, kept], v[:, kept]
-        return out_k, out_v
 
 
 def _round_spans(job: RecoverTokens) -> list[SegmentSpan]:

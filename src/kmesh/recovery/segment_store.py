@@ -1,0 +1,144 @@
+"""Per-request reuse's stored segments: a shared segment's KV as its first reader computed it, and
+an output's KV as its author generated it, per tenant, at canonical positions.
+
+- `placed(job)`: for each shared segment of the job's region, the stored KV placed at its
+  positions: the whole segment's (FIRST_READER), or else a kept output's found inside it
+  (AUTHOR: the segment wraps the output in a header; only the output's rows are placed).
+- `store_computed`: a shared segment the job computed in full (nothing of it reused) is stored
+  as its first reader's; `storing_end` extends a region to the end of such a segment when it
+  crosses past the claim, so that it is stored whole.
+- `keep_output`: a finished request's generated rows, as its tenant's output segment.
+
+A hit compares tokens (index/segment_index.py); state never crosses tenants. Bytes are bounded by
+the owner's ledger: every stored entry is held as ("segment", tenant, tokens, context) and
+dropped through `discard`.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kmesh.compute.config import ModelConfig
+from kmesh.index.segment_index import AUTHOR, FIRST_READER, SegmentIndex
+from kmesh.kv.segment_kv import SegmentKV
+from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.ledger import Ledger
+from kmesh.state.keys import KeyNamespace
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Stored KV placed at prompt positions [start, start + n)."""
+
+    start: int
+    k: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    v: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + self.k.shape[1]
+
+
+class SegmentStore:
+    def __init__(
+        self,
+        fingerprint: str,
+        config: ModelConfig,
+        ledger: Ledger,
+        hold: Callable[[tuple[Any, ...], int], None],
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.config = config
+        self.ledger = ledger
+        self._hold = hold  # the owner's: records bytes, drops what the bound asks
+        self._indexes: dict[str | None, SegmentIndex[SegmentKV]] = {}
+
+    def get(self, tenant: str | None, tokens: Sequence[int]) -> SegmentKV | None:
+        """A segment's first-reader KV (canonical positions), or None."""
+        return self._index(tenant).get(tokens, FIRST_READER)
+
+    def placed(self, job: RecoverTokens) -> dict[int, Placed]:
+        """Span index -> the stored KV placed at the span's positions, for shared segments of
+        the region stored whole (a first reader's), or holding a kept output (its author's)."""
+        index = self._index(job.tenant)
+        placed = {}
+        for i, span in enumerate(job.spans):
+            if span.role != "shared" or span.end <= job.start or span.start >= job.end:
+                continue
+            tokens = job.token_ids[span.start : span.end]
+            offset, held, context = 0, tokens, FIRST_READER
+            stored = index.get(tokens, FIRST_READER)
+            if stored is None:
+                found = index.find_within(tokens, AUTHOR)
+                if found is None:
+                    continue
+                offset, entry = found
+                stored, held, context = entry.value, list(entry.token_ids), AUTHOR
+            self.ledger.touch(("segment", job.tenant, tuple(held), context))
+            lo = span.start + offset
+            k, v = stored.placed(torch.arange(lo, lo + len(held)), self.config)
+            placed[i] = Placed(lo, k, v)
+        return placed
+
+    def storing_end(self, job: RecoverTokens) -> int:
+        """Where the job's region ends: the claimed rows, extended to the end of a shared
+        segment that crosses past them (into the prompt's last token) and is stored nowhere yet
+        (so that its first reader can store it whole; those extra tokens are computed twice)."""
+        index = self._index(job.tenant)
+        end = job.end
+        for span in job.spans:
+            crosses = job.start <= span.start < job.end < span.end
+            tokens = job.token_ids[span.start : span.end]
+            if span.role == "shared" and crosses and index.get(tokens, FIRST_READER) is None:
+                end = max(end, span.end)
+        return end
+
+    def store_computed(
+        self, job: RecoverTokens, reused: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store each shared segment of the region [job.start, job.start + len(reused)) that was
+        computed in full there (no row of it in `reused` [t]) and is stored nowhere yet; k, v
+        [layers, t, ...] are the region's recovered rows."""
+        index = self._index(job.tenant)
+        end = job.start + len(reused)
+        for span in job.spans:
+            if span.role != "shared" or span.start < job.start or span.end > end:
+                continue
+            rows = slice(span.start - job.start, span.end - job.start)
+            tokens = job.token_ids[span.start : span.end]
+            if bool(reused[rows].any()) or index.get(tokens, FIRST_READER) is not None:
+                continue
+            positions = torch.arange(span.start, span.end)
+            stored = SegmentKV.canonical(k[:, rows], v[:, rows], positions, self.config)
+            index.put(tokens, FIRST_READER, 0, stored)
+            key = ("segment", job.tenant, tuple(tokens), FIRST_READER)
+            self._hold(key, stored.k.nbytes + stored.v.nbytes)
+
+    def keep_output(
+        self,
+        tenant: str | None,
+        token_ids: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+    ) -> None:
+        """Store a request's generated tokens' KV (rows computed at positions start.., in its
+        own context) as an output segment later readers under `tenant` reuse (author KV)."""
+        if not token_ids:
+            return
+        positions = torch.arange(start, start + len(token_ids))
+        stored = SegmentKV.canonical(k, v, positions, self.config)
+        self._index(tenant).put(token_ids, AUTHOR, 0, stored)
+        self._hold(("segment", tenant, tuple(token_ids), AUTHOR), stored.k.nbytes + stored.v.nbytes)
+
+    def discard(self, tenant: str | None, tokens: Sequence[int], context: str) -> None:
+        self._index(tenant).discard(tokens, context)
+
+    def _index(self, tenant: str | None) -> SegmentIndex[SegmentKV]:
+        index = self._indexes.get(tenant)
+        if index is None:
+            index = SegmentIndex(KeyNamespace(self.fingerprint, None, tenant))
+            self._indexes[tenant] = index
+        return index
