@@ -125,7 +125,7 @@ class RequestRecovery:
                 write(job, outcomes[job.request_id])
         return outcomes
 
-    def _continued(self, job: RecoverTokens, tails: "TailPages") -> RecoverTokens:
+    def _continued(self, job: RecoverTokens, tails: TailPages) -> RecoverTokens:
         """The job after the longest kept tail its prefix continues, the tail handed to
         `tails` (which then serves its rows as prefix); the job itself without one."""
         found = None if self.tails is None else self.tails.find(job)
@@ -136,7 +136,7 @@ class RequestRecovery:
         tails.add(job, rows)
         return replace(job, start=end)
 
-    def _finish(self, job: RecoverTokens, outcome: Outcome, tails: "TailPages") -> Outcome:
+    def _finish(self, job: RecoverTokens, outcome: Outcome, tails: TailPages) -> Outcome:
         """The outcome over the job's whole claim (a used tail's rows first), its tails kept."""
         tail = tails.of(job)
         if tail is not None:
