@@ -126,7 +126,9 @@ def test_a_round_without_a_family_or_with_unknown_segments_is_refused(make_tiny_
 def test_a_kept_output_is_reused_by_a_later_readers_recovery(make_tiny_engine):
     engine = make_tiny_engine()
     author = Request("author", tuple(SYSTEM), GREEDY, SALT, keep_output=True)
-    said = engine.generate([author])[0].output_ids
+    written = engine.generate([author])[0]
+    said = written.output_ids
+    assert written.stats.kept_output_tokens == len(said) - 1
     header = random_tokens(3, seed=8)
     ids = [*PRIVATE[0], *header, *said, *ASK]
     spans = (

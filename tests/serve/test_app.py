@@ -394,3 +394,16 @@ def test_a_round_without_an_approximate_salt_is_refused_and_computed_exactly(cli
     body = complete(client, kmesh=round_member(1, ["out-a", "out-b"]), max_tokens=1)
     assert "refused" in body["kmesh"]["recovery"]
     assert body["kmesh"]["recovered_tokens"] == 0
+
+
+def test_a_kept_output_is_reported_as_vllms_connector_reports_it(client):
+    body = complete(
+        client,
+        prompt="Once upon a time",
+        max_tokens=6,
+        cache_salt="kmesh-approx:kept",
+        kv_transfer_params={"kmesh": {"keep_output": True}},
+    )
+    assert body["kmesh"]["kept_output_tokens"] == body["usage"]["completion_tokens"] - 1
+    plain = complete(client, prompt="Once upon a time", max_tokens=6)
+    assert "kept_output_tokens" not in plain["kmesh"]

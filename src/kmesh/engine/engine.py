@@ -330,7 +330,7 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         if seq.request.keep_output and seq.request.adapter is None:
-            self.runner.keep_output(seq)
+            seq.stats.kept_output_tokens = self.runner.keep_output(seq)
         self._ended.append(self._output(seq))
         if seq in self.scheduler.running:
             self.scheduler.finish(seq)

@@ -75,6 +75,8 @@ class RequestStats:
     recovered_tokens: int = 0
     # With Request.recovery: its RecoveryReport (as a dict), or {"refused": why}.
     recovery: dict[str, Any] | None = None
+    # Generated tokens whose KV was kept for later readers (Request.keep_output).
+    kept_output_tokens: int = 0
     output_tokens: int = 0
     # From submission to the first token, and to the end.
     first_token_seconds: float = 0.0

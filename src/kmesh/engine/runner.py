@@ -104,14 +104,15 @@ class ModelRunner:
 
         self.recovery.run([job for _, job in claims], _CacheRows(self.cache), write)
 
-    def keep_output(self, seq: Sequence) -> None:
+    def keep_output(self, seq: Sequence) -> int:
         """Hand the finished sequence's generated rows (every output token fed back) to
-        recovery as its output segment."""
+        recovery as its output segment; how many."""
         start, end = seq.num_prompt, seq.num_computed
         if end <= start:
-            return
+            return 0
         k, v = _CacheRows(self.cache).read(seq.block_table, torch.arange(start, end))
         self.recovery.keep_output(seq.request.tenant_salt, seq.token_ids[start:end], k, v, start)
+        return end - start
 
     def _shared_prefixes(self, seqs: list[Sequence]) -> dict[int, tuple[PagedContext, int]]:
         """For sequences that hold the same physical leading blocks (forks of one trunk, prefix

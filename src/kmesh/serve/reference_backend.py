@@ -195,4 +195,6 @@ def _last_delta(output: RequestOutput, num_sent: int) -> Delta:
     stats: dict[str, Any] = {name: getattr(output.stats, name) for name in STAT_NAMES}
     if output.stats.recovery is not None:
         stats["recovery"] = output.stats.recovery
+    if output.stats.kept_output_tokens:  # as vLLM's connector reports it
+        stats["kept_output_tokens"] = output.stats.kept_output_tokens
     return Delta(output.output_ids[num_sent:], output.finish_reason, stats)
