@@ -132,7 +132,7 @@ def test_a_kept_output_is_reused_inside_the_segment_that_wraps_it_and_its_header
     author = ExactPages(executor, [*range(90, 120), *A[2:]])
     body = torch.arange(30, 30 + len(A) - 2)
     k, v = author.read(None, body)
-    recovery.keep_output(SALT, A[2:], k, v, 30)
+    recovery.segments.keep_output(SALT, A[2:], k, v, 30)
     ids, spans = prompt("ab")
     outcome, _, work = run(recovery, executor, ids, spans, NONE)
     assert outcome.report.reused_tokens == len(A) - 2  # b is stored nowhere: computed

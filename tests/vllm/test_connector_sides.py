@@ -339,10 +339,11 @@ def test_an_output_is_not_kept_unless_asked_and_never_under_an_adapter(store, kw
 
 
 class _KeptOutputs:
-    """Stands in for RequestRecovery: records what the worker keeps."""
+    """Stands in for RequestRecovery (its segment store): records what the worker keeps."""
 
     def __init__(self) -> None:
         self.kept: list[tuple] = []
+        self.segments = self
 
     def keep_output(self, tenant, token_ids, k, v, start) -> None:
         self.kept.append((tenant, token_ids, k, v, start))

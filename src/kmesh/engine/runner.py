@@ -111,7 +111,9 @@ class ModelRunner:
         if end <= start:
             return 0
         k, v = _CacheRows(self.cache).read(seq.block_table, torch.arange(start, end))
-        self.recovery.keep_output(seq.request.tenant_salt, seq.token_ids[start:end], k, v, start)
+        self.recovery.segments.keep_output(
+            seq.request.tenant_salt, seq.token_ids[start:end], k, v, start
+        )
         return end - start
 
     def _shared_prefixes(self, seqs: list[Sequence]) -> dict[int, tuple[PagedContext, int]]:

@@ -104,3 +104,18 @@ class SegmentIndex(Generic[T]):
             keys.discard(key)
             if not keys:
                 del self._anchors[anchor]
+
+
+class TenantIndexes(Generic[T]):
+    """One SegmentIndex per tenant of a model (no adapter), made on first use."""
+
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+        self._indexes: dict[str | None, SegmentIndex[T]] = {}
+
+    def __call__(self, tenant: str | None) -> SegmentIndex[T]:
+        index = self._indexes.get(tenant)
+        if index is None:
+            index = SegmentIndex(KeyNamespace(self.fingerprint, None, tenant))
+            self._indexes[tenant] = index
+        return index

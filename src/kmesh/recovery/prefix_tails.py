@@ -20,9 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kmesh.index.segment_index import SegmentIndex
+from kmesh.index.segment_index import TenantIndexes
 from kmesh.recovery.jobs import PrefixReader, RecoverTokens
-from kmesh.state.keys import KeyNamespace
 
 TAIL = "prefix-tail"
 
@@ -45,16 +44,15 @@ class PrefixTails:
     """Kept tails of every tenant; the owner bounds their bytes (see `keep` and `discard`)."""
 
     def __init__(self, fingerprint: str, page_size: int) -> None:
-        self.fingerprint = fingerprint
         self.page_size = page_size
-        self._index: dict[str | None, SegmentIndex[Rows]] = {}
+        self._tenant: TenantIndexes[Rows] = TenantIndexes(fingerprint)
 
     def find(self, job: RecoverTokens) -> tuple[int, Rows] | None:
         """The longest kept tail that continues `job`'s prefix inside its claim, ending before
         the claim does: (b, rows [job.start, b)), or None."""
-        index = self._index.get(job.tenant)
-        if index is None or job.start % self.page_size:
+        if job.start % self.page_size:
             return None
+        index = self._tenant(job.tenant)
         for b in range(min(job.start + self.page_size - 1, job.end - 1), job.start, -1):
             rows = index.get(job.token_ids[:b], TAIL)
             if rows is not None:
@@ -79,16 +77,7 @@ class PrefixTails:
         return filed
 
     def discard(self, tenant: str | None, prefix: Sequence[int]) -> None:
-        index = self._index.get(tenant)
-        if index is not None:
-            index.discard(prefix, TAIL)
-
-    def _tenant(self, tenant: str | None) -> SegmentIndex[Rows]:
-        index = self._index.get(tenant)
-        if index is None:
-            index = SegmentIndex(KeyNamespace(self.fingerprint, None, tenant))
-            self._index[tenant] = index
-        return index
+        self._tenant(tenant).discard(prefix, TAIL)
 
 
 class TailPages:

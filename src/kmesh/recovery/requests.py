@@ -153,18 +153,6 @@ class RequestRecovery:
 
     # -- per request -----------------------------------------------------------------------
 
-    def keep_output(
-        self,
-        tenant: str | None,
-        token_ids: Sequence[int],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        start: int,
-    ) -> None:
-        """A finished request's generated rows (its own KV at positions start..), kept as its
-        tenant's output segment (segment_store.py)."""
-        self.segments.keep_output(tenant, token_ids, k, v, start)
-
     def _per_request(self, job: RecoverTokens, pages: PrefixReader) -> Outcome:
         end = self.segments.storing_end(job)
         region = self._region(job, pages, self.segments.placed(job), end)

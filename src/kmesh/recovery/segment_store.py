@@ -21,11 +21,10 @@ from typing import Any
 import torch
 
 from kmesh.compute.config import ModelConfig
-from kmesh.index.segment_index import AUTHOR, FIRST_READER, SegmentIndex
+from kmesh.index.segment_index import AUTHOR, FIRST_READER, TenantIndexes
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.jobs import RecoverTokens
 from kmesh.recovery.ledger import Ledger
-from kmesh.state.keys import KeyNamespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +48,10 @@ class SegmentStore:
         ledger: Ledger,
         hold: Callable[[tuple[Any, ...], int], None],
     ) -> None:
-        self.fingerprint = fingerprint
         self.config = config
         self.ledger = ledger
         self._hold = hold  # the owner's: records bytes, drops what the bound asks
-        self._indexes: dict[str | None, SegmentIndex[SegmentKV]] = {}
+        self._index: TenantIndexes[SegmentKV] = TenantIndexes(fingerprint)
 
     def get(self, tenant: str | None, tokens: Sequence[int]) -> SegmentKV | None:
         """A segment's first-reader KV (canonical positions), or None."""
@@ -135,10 +133,3 @@ class SegmentStore:
 
     def discard(self, tenant: str | None, tokens: Sequence[int], context: str) -> None:
         self._index(tenant).discard(tokens, context)
-
-    def _index(self, tenant: str | None) -> SegmentIndex[SegmentKV]:
-        index = self._indexes.get(tenant)
-        if index is None:
-            index = SegmentIndex(KeyNamespace(self.fingerprint, None, tenant))
-            self._indexes[tenant] = index
-        return index

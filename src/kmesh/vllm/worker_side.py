@@ -95,7 +95,7 @@ class WorkerSide:
             try:
                 positions = torch.arange(out.start, out.start + len(out.token_ids))
                 k, v = self._pages.read(out.block_ids, positions)
-                self._recovery.keep_output(out.tenant, out.token_ids, k, v, out.start)
+                self._recovery.segments.keep_output(out.tenant, out.token_ids, k, v, out.start)
             except Exception as error:  # a kept output is an optimisation: never fatal
                 log.warning("kmesh: output of %s not kept: %s", out.request_id, error)
 
