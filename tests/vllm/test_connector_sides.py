@@ -1,6 +1,7 @@
 """The connector's two halves without a vLLM engine: the scheduler side against a real store
 with stand-in vLLM requests, the worker side against stand-in KV cache tensors."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +12,7 @@ from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import StoreClient
 from kmesh.store.client import write_segment
+from kmesh.vllm.activated import ACTIVATION_FILE
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
 from kmesh.vllm.scheduler_side import SchedulerSide
@@ -31,20 +33,20 @@ NOTHING_SCHEDULED = SimpleNamespace(
 )
 
 
-def request(request_id: str, prompt=PROMPT, salt=None, lora=None, kmesh=None):
+def request(request_id: str, prompt=PROMPT, salt=None, lora=None, kmesh=None, lora_path="/a"):
     return SimpleNamespace(
         request_id=request_id,
         prompt_token_ids=prompt,
         num_prompt_tokens=len(prompt),
         cache_salt=salt,
-        lora_request=None if lora is None else SimpleNamespace(lora_name=lora, lora_path="/a"),
+        lora_request=None if lora is None else SimpleNamespace(lora_name=lora, lora_path=lora_path),
         kv_transfer_params=None if kmesh is None else {"kmesh": kmesh},
     )
 
 
 def side(store) -> SchedulerSide:
     scheduler = SchedulerSide(store.socket, LAYOUT, "tiny-model")
-    scheduler.bind_block_ids(lambda request_id: ([7, 8, 9],))
+    scheduler.bind_block_ids(lambda request_id: ([7, 8, 9, 10, 11, 12],))
     return scheduler
 
 
@@ -128,6 +130,75 @@ def test_state_never_crosses_salts_or_adapters(store, variant):
     compute(first, req, len(PROMPT))
     assert second.get_num_new_matched_tokens(request("b", **variant), 0) == (0, False)
     assert len(second._requests["b"].lead) == 2  # it computes (and leads) its own blocks
+
+
+# 21 tokens whose invocation sequence [110, 111] starts at 10: two whole base blocks before it.
+ACTIVATED_PROMPT = list(range(100, 121))
+ACTIVATION_START = 10
+
+
+@pytest.fixture
+def activated_folder(tmp_path) -> str:
+    """A vLLM adapter folder of an activated adapter (as vllm_adapter_dir makes it)."""
+    (tmp_path / ACTIVATION_FILE).write_text(json.dumps({"invocation_tokens": [110, 111]}))
+    return str(tmp_path)
+
+
+def activated(request_id: str, folder: str, name: str = "x"):
+    return request(
+        request_id, ACTIVATED_PROMPT, lora=f"{name}@from={ACTIVATION_START}", lora_path=folder
+    )
+
+
+def allocate(scheduler: SchedulerSide, req, claimed: int, block_ids=(3, 4, 5, 6, 7, 8)):
+    scheduler.update_state_after_alloc(
+        req, SimpleNamespace(get_block_ids=lambda: (list(block_ids),)), claimed
+    )
+    return scheduler.build_connector_meta(NOTHING_SCHEDULED)
+
+
+def test_an_activated_request_loads_published_base_blocks_and_fills_the_rest_to_its_start(
+    store, activated_folder
+):
+    first, second = side(store), side(store)
+    base = request("a", ACTIVATED_PROMPT)
+    first.get_num_new_matched_tokens(base, 0)
+    compute(first, base, len(ACTIVATED_PROMPT))  # the base model publishes its blocks
+    req = activated("b", activated_folder)
+    assert second.get_num_new_matched_tokens(req, 0) == (ACTIVATION_START, False)
+    meta = allocate(second, req, ACTIVATION_START)
+    assert [load.block_id for load in meta.loads] == [3, 4]  # both base blocks before the start
+    [job] = meta.recoveries
+    assert (job.start, job.end, job.spec.policy) == (8, ACTIVATION_START, "full")
+    stats = finish(second, req)
+    assert (stats["restored_tokens"], stats["recovered_tokens"]) == (8, 2)
+    assert stats["computed_tokens"] == len(ACTIVATED_PROMPT) - ACTIVATION_START
+    assert stats["activation"] == {"start": ACTIVATION_START}
+
+
+def test_activated_requests_of_one_engine_fill_the_shared_base_blocks_once(
+    store, activated_folder
+):
+    scheduler = side(store)
+    x, y = activated("x1", activated_folder, "x"), activated("y1", activated_folder, "y")
+    assert scheduler.get_num_new_matched_tokens(x, 0) == (ACTIVATION_START, False)
+    assert len(scheduler._requests["x1"].lead) == 2  # it computes and publishes the base blocks
+    assert scheduler.get_num_new_matched_tokens(y, 0) == (None, False)  # waits a step
+    allocate(scheduler, x, ACTIVATION_START)
+    compute(scheduler, x, ACTIVATION_START)  # the worker filled them; they are published
+    assert scheduler.get_num_new_matched_tokens(y, 0) == (ACTIVATION_START, False)
+    meta = allocate(scheduler, y, ACTIVATION_START)
+    assert len(meta.loads) == 2 and meta.recoveries[0].start == 8
+
+
+def test_an_activated_adapter_named_without_its_start_is_left_to_vllm(store, activated_folder):
+    first, second = side(store), side(store)
+    base = request("a", ACTIVATED_PROMPT)
+    first.get_num_new_matched_tokens(base, 0)
+    compute(first, base, len(ACTIVATED_PROMPT))
+    req = request("b", ACTIVATED_PROMPT, lora="x", lora_path=activated_folder)
+    assert second.get_num_new_matched_tokens(req, 0) == (0, False)  # no base block either
+    assert "carries no start" in finish(second, req)["activation"]["note"]
 
 
 def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
@@ -258,6 +329,20 @@ def test_worker_blocks_round_trip_through_the_store_byte_for_byte(store):
     assert target.take_load_errors() == set()
     for src, dst in zip(source_layers, target_layers, strict=True):
         assert torch.equal(src[2], dst[5])
+
+
+def test_worker_abandons_a_block_that_vllm_recomputed_after_a_failed_fill(store):
+    side, _ = worker(store)
+    spec = RecoverySpec(policy="full")
+    job = RecoverTokens("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
+    side.recover(KMeshConnectorMetadata(recoveries=[job]), attention_layers={})  # no model
+    key = bytes(32)
+    with StoreClient(store.socket) as client:
+        client.acquire([key])
+        segment = client.reserve(key, LAYOUT.block_bytes)
+    side.save(KMeshConnectorMetadata(saves=[SaveBlock(None, 4, key, segment)]))
+    saved = side.take_worker_meta()
+    assert saved is not None and saved.saved == {(None, key): None}  # not published
 
 
 def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):

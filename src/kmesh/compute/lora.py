@@ -54,11 +54,8 @@ class LoraAdapter:
         """First position of `token_ids` (a prompt) the adapter applies to; None: nowhere."""
         if self.invocation_tokens is None:
             return 0
-        invocation = list(self.invocation_tokens)
-        for start in range(len(token_ids) - len(invocation), -1, -1):
-            if list(token_ids[start : start + len(invocation)]) == invocation:
-                return start
-        return None
+        starts = invocation_starts(self.invocation_tokens, token_ids)
+        return starts[-1] if starts else None
 
     def delta(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor | None:
         """scaling * B (A x) for inputs x [n, in_features], or None if the adapter leaves this
@@ -68,6 +65,16 @@ class LoraAdapter:
             return None
         a, b = pair
         return (x @ a.to(x.dtype).T) @ (b.to(x.dtype).T * self.scaling)
+
+
+def invocation_starts(invocation: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+    """Every position where `invocation` occurs in `token_ids`, in order (overlaps included)."""
+    wanted, n = list(invocation), len(invocation)
+    return [
+        start
+        for start in range(len(token_ids) - n + 1)
+        if list(token_ids[start : start + n]) == wanted
+    ]
 
 
 @dataclass(frozen=True, slots=True)

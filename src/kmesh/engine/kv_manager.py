@@ -8,7 +8,7 @@ from kmesh.engine.sequence import Sequence
 from kmesh.engine.store_link import StoreLink
 from kmesh.index.prefix_index import PrefixIndex
 from kmesh.kv.block_pool import BlockPool
-from kmesh.state.keys import KeyNamespace, extend_block_keys
+from kmesh.state.keys import KeyNamespace, activated_adapter, extend_adapter_block_keys
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -38,7 +38,7 @@ class KVCacheManager:
         if adapted and seq.lora is not None:
             adapter = seq.lora.adapter.key
             if seq.lora.adapter.activated:
-                adapter += f":from={seq.lora.start}"
+                adapter = activated_adapter(adapter, seq.lora.start)
         return KeyNamespace(self.model_fingerprint, adapter, seq.request.tenant_salt)
 
     def extend_keys(self, seq: Sequence, num_full_blocks: int) -> None:
@@ -51,12 +51,10 @@ class KVCacheManager:
         adapter starting elsewhere are other state)."""
         if len(seq.block_keys) >= num_full_blocks:
             return
-        bs = self.block_size
-        tokens = seq.token_ids[: num_full_blocks * bs]
-        base_blocks = num_full_blocks if seq.lora is None else seq.lora.start // bs
-        base_tokens = tokens[: min(base_blocks, num_full_blocks) * bs]
-        extend_block_keys(seq.block_keys, self._namespace(seq, False), base_tokens, bs)
-        extend_block_keys(seq.block_keys, self._namespace(seq, True), tokens, bs)
+        tokens = seq.token_ids[: num_full_blocks * self.block_size]
+        start = len(tokens) if seq.lora is None else seq.lora.start
+        base, adapted = self._namespace(seq, False), self._namespace(seq, True)
+        extend_adapter_block_keys(seq.block_keys, base, adapted, tokens, self.block_size, start)
 
     def admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence its block table, reusing cached full blocks of its prefix.

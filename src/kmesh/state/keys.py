@@ -72,6 +72,28 @@ def extend_block_keys(
         keys.append(block_key(namespace, parent, token_ids[start : start + block_size]))
 
 
+def extend_adapter_block_keys(
+    keys: list[BlockHash],
+    base: KeyNamespace,
+    adapted: KeyNamespace,
+    token_ids: Sequence[int],
+    block_size: int,
+    adapter_start: int,
+) -> None:
+    """extend_block_keys for a request under an adapter that applies from token `adapter_start`
+    on (0: a plain adapter): blocks wholly before it hold base-model state and are keyed in
+    `base`, the rest in `adapted`, which must name the adapter and that start (the same tokens
+    with the adapter starting elsewhere are other state). Both engines key LoRA requests so."""
+    base_tokens = token_ids[: adapter_start // block_size * block_size]
+    extend_block_keys(keys, base, base_tokens, block_size)
+    extend_block_keys(keys, adapted, token_ids, block_size)
+
+
+def activated_adapter(adapter: str, start: int) -> str:
+    """The `adapter` part of keys for an activated adapter applying from token `start` on."""
+    return f"{adapter}:from={start}"
+
+
 def segment_key(namespace: KeyNamespace, token_ids: Sequence[int], context: str) -> bytes:
     """Key of a position-independent segment: namespace, its tokens and a tag naming the context
     its KV was computed in (the same tokens computed after different text have different KV)."""

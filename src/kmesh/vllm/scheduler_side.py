@@ -19,6 +19,12 @@ gate, no model attached) come back as load errors and vLLM computes them. Recove
 (vLLM computes the prompt as usual) for LoRA requests, and an approximate one without a cache_salt
 starting with APPROX_SALT_PREFIX, so approximate KV never enters another request's prefix hits.
 
+A request under an activated adapter named with its start (kmesh/vllm/activated.py) has its rows
+before that start claimed and filled with base-model KV: its whole blocks there are keyed as the
+base model's, loaded from the store where published (from any base or activated request), the
+rest computed by the worker half's executor on vLLM's base layers and published under those base
+keys. While another request of this engine fills a base block it needs, it waits a step.
+
 Families (see kmesh.state.request_meta): the trunk's blocks (the leading shared segments, or the
 whole prompt without segments) are pinned in the store for the family while it is open here.
 """
@@ -26,14 +32,14 @@ whole prompt without segments) are pinned in the store for the family while it i
 import logging
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kmesh.compute.fingerprint import fingerprint_files
 from kmesh.errors import KMeshError
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan, spans_of
-from kmesh.state.keys import BlockHash, KeyNamespace, extend_block_keys
+from kmesh.state.keys import BlockHash, KeyNamespace, extend_adapter_block_keys
 from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
     KMeshParams,
@@ -51,6 +57,7 @@ from kmesh.store import (
     TenantClients,
 )
 from kmesh.store.client import encode_meta
+from kmesh.vllm.activated import Activation, activation_of
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import (
     KeepOutput,
@@ -67,6 +74,8 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.2
 # A request stops waiting for another engine after this long and computes the blocks itself.
 MAX_WAIT_S = 60.0
+# An activated request's rows before its start: base-model KV, computed in full.
+BASE_FILL = RecoverySpec(policy="full")
 
 
 @dataclass(slots=True)
@@ -90,6 +99,8 @@ class _Tracked:
     waiting_since: float | None = None
     load_pinned: bool = False  # store hits pinned for it (see _load_pin)
     running: bool = False
+    activation: Activation | None = None  # under an activated adapter (kmesh/vllm/activated.py)
+    filling_base: bool = False  # its rows before the activation start are claimed
 
 
 class SchedulerSide:
@@ -144,6 +155,10 @@ class SchedulerSide:
                 claim = self._recovery_claim(request, tracked.params.recovery, first)
                 return claim, False
             tracked.recovery = {"refused": refusal}  # served as an ordinary (exact) request
+        activation = tracked.activation
+        start = None if activation is None else activation.start
+        if start is not None and num_computed_tokens < start:
+            return self._base_claim(request, tracked, start, first), False
         if not self.available:
             return 0, False
         keys = [bytes(k) for k in tracked.keys[first:]]
@@ -155,15 +170,13 @@ class SchedulerSide:
             client = self._client(tracked.tenant)
             got = client.acquire(keys, family=load_pin)
             tracked.load_pinned = tracked.load_pinned or bool(got.hits)
-            if got.waiting_on is not None and first + len(got.hits) < loadable:
-                if tracked.waiting_since is None:
-                    tracked.waiting_since = time.monotonic()
-                if time.monotonic() - tracked.waiting_since < MAX_WAIT_S:
-                    if not any(t.running for t in self._requests.values()):
-                        got = client.wait(keys, timeout=IDLE_WAIT_S, family=load_pin)
-                        tracked.load_pinned = tracked.load_pinned or bool(got.hits)
-                    if got.waiting_on is not None and first + len(got.hits) < loadable:
-                        return None, False
+            waits = got.waiting_on is not None and first + len(got.hits) < loadable
+            if waits and self._may_wait(tracked):
+                if not any(t.running for t in self._requests.values()):
+                    got = client.wait(keys, timeout=IDLE_WAIT_S, family=load_pin)
+                    tracked.load_pinned = tracked.load_pinned or bool(got.hits)
+                if got.waiting_on is not None and first + len(got.hits) < loadable:
+                    return None, False
             self._pin_trunk(client, tracked)
         except StoreError as error:
             self._failed(error)
@@ -175,6 +188,42 @@ class SchedulerSide:
                 tracked.lead[offset] = key
         tracked.hits = list(got.hits[: max(0, loadable - first)])
         return len(tracked.hits) * self.block_size, False
+
+    def _base_claim(self, request: Any, tracked: _Tracked, start: int, first: int) -> int | None:
+        """Claim an activated request's rows after the local hit (`first` whole blocks) up to
+        its activation start: the published base blocks load, the rest the worker computes.
+        None (ask again next step) while another request of this engine fills the first base
+        block it lacks."""
+        tracked.filling_base, tracked.hits = True, []
+        base_blocks = start // self.block_size
+        if not self.available or first >= base_blocks:
+            return start - tracked.local_tokens
+        keys = [bytes(k) for k in tracked.keys[first:base_blocks]]
+        try:
+            client = self._client(tracked.tenant)
+            got = client.acquire(keys, family=_load_pin(request.request_id))
+            tracked.load_pinned = tracked.load_pinned or bool(got.hits)
+            self._pin_trunk(client, tracked)
+        except StoreError as error:
+            self._failed(error)
+            return start - tracked.local_tokens
+        request_id, missing = request.request_id, first + len(got.hits)
+        if missing < base_blocks:
+            owner = self._owner.get((tracked.tenant, keys[len(got.hits)]), request_id)
+            if owner != request_id and self._may_wait(tracked):
+                return None
+            for offset, key in enumerate(got.lead, start=missing):
+                if self._owner.setdefault((tracked.tenant, key), request_id) == request_id:
+                    tracked.lead[offset] = key
+        tracked.hits = list(got.hits)
+        return start - tracked.local_tokens
+
+    @staticmethod
+    def _may_wait(tracked: _Tracked) -> bool:
+        """Whether the request may still wait for another to compute its blocks."""
+        if tracked.waiting_since is None:
+            tracked.waiting_since = time.monotonic()
+        return time.monotonic() - tracked.waiting_since < MAX_WAIT_S
 
     def _recovery_claim(self, request: Any, spec: RecoverySpec, first: int) -> int:
         """Rows to claim after the local hit (`first` whole blocks): every one but the last
@@ -193,6 +242,9 @@ class SchedulerSide:
             return
         block_ids = blocks.get_block_ids()[0]
         params = tracked.params
+        if tracked.filling_base:
+            self._fill_base(request, tracked, block_ids, num_external_tokens)
+            return
         if tracked.recovering and params is not None and params.recovery is not None:
             start = tracked.local_tokens
             end = start + num_external_tokens
@@ -214,12 +266,42 @@ class SchedulerSide:
                 block_ids[start // self.block_size : -(-end // self.block_size)]
             )
             return
+        self._load_hits(tracked, block_ids, num_external_tokens // self.block_size)
+
+    def _load_hits(self, tracked: _Tracked, block_ids: list[int], count: int) -> None:
+        """Queue the first `count` store hits for the worker to load after the local hit."""
         first = tracked.local_tokens // self.block_size
-        count = num_external_tokens // self.block_size
         for i, hit in enumerate(tracked.hits[:count]):
             self._loads.append(LoadBlock(tracked.tenant, block_ids[first + i], hit))
             tracked.loaded_block_ids.add(block_ids[first + i])
-        tracked.loaded_tokens = count * self.block_size
+        tracked.loaded_tokens = min(count, len(tracked.hits)) * self.block_size
+
+    def _fill_base(
+        self, request: Any, tracked: _Tracked, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """An activated request's claim: its store hits load, the executor computes the rest
+        (a full recovery job: exact base-model KV)."""
+        self._load_hits(tracked, block_ids, num_external_tokens // self.block_size)
+        start = tracked.local_tokens + tracked.loaded_tokens
+        end = tracked.local_tokens + num_external_tokens
+        if start >= end:
+            return
+        self._recoveries.append(
+            RecoverTokens(
+                request.request_id,
+                list(request.prompt_token_ids),
+                list(block_ids),
+                start,
+                end,
+                tracked.tenant,
+                [],
+                BASE_FILL,
+                None,
+            )
+        )
+        tracked.recovered_tokens = end - start
+        bs = self.block_size
+        tracked.recovered_block_ids = set(block_ids[start // bs : -(-end // bs)])
 
     def build_connector_meta(self, scheduler_output: Any) -> KMeshConnectorMetadata:
         meta = KMeshConnectorMetadata(
@@ -307,6 +389,10 @@ class SchedulerSide:
             - tracked.recovered_tokens,
             "family": None if tracked.params is None else tracked.params.family,
         }
+        if tracked.activation is not None:
+            stats["activation"] = {
+                k: v for k, v in asdict(tracked.activation).items() if v is not None or k == "start"
+            }
         if tracked.recovery is not None:
             stats["recovery"] = tracked.recovery
         elif tracked.recovered_tokens:
@@ -347,9 +433,16 @@ class SchedulerSide:
             lost = len(tracked.loaded_block_ids & block_ids)
             tracked.loaded_block_ids -= block_ids
             tracked.loaded_tokens -= lost * self.block_size
-            if tracked.recovered_block_ids & block_ids:  # given back whole: vLLM computes all
+            given_back = bool(tracked.recovered_block_ids & block_ids)
+            if given_back:  # given back whole: vLLM computes all
                 tracked.recovered_block_ids = set()
                 tracked.recovered_tokens = 0
+            if tracked.filling_base and tracked.activation is not None and (lost or given_back):
+                tracked.activation = replace(
+                    tracked.activation,
+                    note="its base-model rows could not all be filled (see the log): vLLM "
+                    "computed some of them under the adapter",
+                )
 
     def close(self) -> None:
         self._client.close()
@@ -362,16 +455,20 @@ class SchedulerSide:
             return tracked
         params = _request_params(request)
         lora = request.lora_request
-        namespace = KeyNamespace(
-            model=self.fingerprint,
-            adapter=None if lora is None else f"{lora.lora_name}@{lora.lora_path}",
-            tenant_salt=request.cache_salt,
-        )
+        prompt = list(request.prompt_token_ids or [])
+        base = KeyNamespace(self.fingerprint, None, request.cache_salt)
+        activation = None  # an activated adapter's name carries its start
+        if lora is not None:
+            activation = activation_of(lora.lora_name, lora.lora_path, prompt)
+        start, adapted = len(prompt), base
+        if lora is not None:
+            start = 0 if activation is None or activation.start is None else activation.start
+            adapted = replace(base, adapter=f"{lora.lora_name}@{lora.lora_path}")
         keys: list[BlockHash] = []
-        extend_block_keys(keys, namespace, request.prompt_token_ids or [], self.block_size)
+        extend_adapter_block_keys(keys, base, adapted, prompt, self.block_size, start)
         spans = [] if params is None else self._spans(request, params)
         trunk = self._trunk_blocks(params, spans, len(keys))
-        tracked = _Tracked(request.cache_salt, params, keys, trunk, spans)
+        tracked = _Tracked(request.cache_salt, params, keys, trunk, spans, activation=activation)
         self._requests[request.request_id] = tracked
         return tracked
 

@@ -123,6 +123,10 @@ class WorkerSide:
                     "(kmesh.vllm.config.attach) after starting the engine"
                 )
             self._check_recoverable(self._recovery.executor.dtype)
+            unloaded = [job for job in jobs if self._prefix_unloaded(job)]
+            for job in unloaded:  # its prefix did not load: its rows would be wrong
+                self._give_back(job)
+            jobs = [job for job in jobs if job not in unloaded]
 
             def write(job: RecoverTokens, outcome: Outcome) -> None:
                 self._recovered[job.request_id] = outcome.report
@@ -138,6 +142,11 @@ class WorkerSide:
             for job in jobs:
                 self._recovered.pop(job.request_id, None)
                 self._give_back(job)
+
+    def _prefix_unloaded(self, job: RecoverTokens) -> bool:
+        """Whether a block of the job's prefix failed to load this step."""
+        prefix = job.block_ids[: job.start // self.layout.block_size]
+        return not self._load_errors.isdisjoint(prefix)
 
     def _check_recoverable(self, executor_dtype: torch.dtype) -> None:
         """Raise unless recovery can fill this engine's cache: vLLM's CPU page layout (the only
@@ -155,8 +164,13 @@ class WorkerSide:
             )
 
     def save(self, metadata: KMeshConnectorMetadata) -> None:
-        """Copy the blocks computed this step into the segments the store reserved for them."""
+        """Copy the blocks computed this step into the segments the store reserved for them;
+        a block whose load or recovery failed this step is abandoned (vLLM recomputed it, and
+        what it computed need not be what its key names: an activated request's base rows)."""
         for save in metadata.saves:
+            if save.block_id in self._load_errors:
+                self._saved[(save.tenant, save.key)] = None
+                continue
 
             def write(target: memoryview, block_id: int = save.block_id) -> None:
                 out = np.frombuffer(target, dtype=np.uint8)

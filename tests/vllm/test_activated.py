@@ -1,0 +1,71 @@
+"""Activated adapters as vLLM loads them and as KMeshConnector reads their requests' names."""
+
+import json
+
+import pytest
+
+from kmesh.errors import InvalidRequestError
+from kmesh.vllm.activated import (
+    ACTIVATION_FILE,
+    activated_lora_request,
+    activation_of,
+    vllm_adapter_dir,
+)
+
+INVOCATION = [7, 8]
+
+
+def peft_folder(tmp_path, invocation=INVOCATION):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16}
+    if invocation is not None:
+        config["alora_invocation_tokens"] = invocation
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    return folder
+
+
+def test_vllm_loads_an_activated_adapter_from_a_copy_without_its_invocation_field(tmp_path):
+    folder = peft_folder(tmp_path)
+    target = vllm_adapter_dir(folder)
+    assert target == folder / "vllm"
+    config = json.loads((target / "adapter_config.json").read_text())
+    assert "alora_invocation_tokens" not in config and config["r"] == 8
+    assert (target / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert json.loads((target / ACTIVATION_FILE).read_text())["invocation_tokens"] == INVOCATION
+    assert vllm_adapter_dir(folder) == target  # made once
+
+
+def test_a_plain_adapter_is_loaded_as_it_is(tmp_path):
+    folder = peft_folder(tmp_path, invocation=None)
+    assert vllm_adapter_dir(folder) == folder
+    request = activated_lora_request("p", 1, folder, [1, 7, 8, 2])
+    assert (request.lora_name, request.lora_path) == ("p", str(folder))
+
+
+def test_a_folder_without_a_config_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(InvalidRequestError, match="adapter_config.json"):
+        vllm_adapter_dir(tmp_path)
+
+
+def test_an_activated_request_is_named_with_the_last_occurrence_of_its_invocation(tmp_path):
+    folder = peft_folder(tmp_path)
+    request = activated_lora_request("a", 3, folder, [1, 7, 8, 2, 7, 8, 5])
+    assert request.lora_name == "a@from=4" and request.lora_int_id == 3
+    assert activation_of(request.lora_name, request.lora_path, [1, 7, 8, 2, 7, 8, 5]).note is None
+
+
+def test_an_activated_adapter_whose_invocation_is_absent_leaves_the_prompt_to_the_base_model(
+    tmp_path,
+):
+    assert activated_lora_request("a", 3, peft_folder(tmp_path), [1, 2, 3]) is None
+
+
+def test_the_named_start_is_honoured_and_a_mismatch_is_reported(tmp_path):
+    path = str(vllm_adapter_dir(peft_folder(tmp_path)))
+    moved = activation_of("a@from=2", path, [1, 7, 8, 2, 7, 8, 5])
+    assert moved.start == 2 and "last occurrence in the prompt is at 4" in (moved.note or "")
+    for name in ("a", "a@from=0", "a@from=99", "a@from=x"):
+        unnamed = activation_of(name, path, [1, 7, 8, 2])
+        assert unnamed.start is None and "carries no start" in (unnamed.note or "")
