@@ -19,28 +19,17 @@ def _prepare(args: argparse.Namespace) -> None:
             print(path)
 
 
-def load_adapters(kind: str, count: int, dtype: Any) -> list[Any]:
-    """The first `count` prepared adapters of `kind` (trained on first use), loaded."""
-    from kmesh.adapters.prepare import ensure_adapters
-    from kmesh.compute.lora import load_adapter
-
-    return [load_adapter(path, dtype) for path in ensure_adapters(kind, count)]
-
-
 def _bench_lora(args: argparse.Namespace) -> None:
     from rich.console import Console
 
+    from kmesh.adapters.prepare import ensure_adapters
     from kmesh.bench.lora import LoraBench, LoraBenchConfig, run_lora_bench
     from kmesh.bench.lora_report import plot, print_report
     from kmesh.cli import agent_counts, write_json
     from kmesh.compute.loader import load_model
+    from kmesh.compute.lora import load_adapter
     from kmesh.recovery.adapter_residual import ResidualConfig
 
-    if args.engine != "reference":
-        raise InvalidRequestError(
-            "kmesh bench lora runs on the reference engine only for now: vLLM's side is "
-            "described in docs/LORA.md"
-        )
     agents = tuple(agent_counts(args.agents, "--agents", 1))
     if args.context_tokens < 64:
         raise InvalidRequestError(
@@ -54,8 +43,10 @@ def _bench_lora(args: argparse.Namespace) -> None:
             f"({model.config.max_position} tokens)"
         )
     console.log(f"preparing {max(agents)} adapters of each kind (trained once, then cached)")
-    plain = load_adapters("lora", max(agents), model.executor.dtype)
-    activated = load_adapters("activated", max(agents), model.executor.dtype)
+    plain_dirs = ensure_adapters("lora", max(agents))
+    activated_dirs = ensure_adapters("activated", max(agents))
+    plain = [load_adapter(path, model.executor.dtype) for path in plain_dirs]
+    activated = [load_adapter(path, model.executor.dtype) for path in activated_dirs]
     cfg = LoraBenchConfig(
         agents=agents,
         context_tokens=args.context_tokens,
@@ -63,7 +54,15 @@ def _bench_lora(args: argparse.Namespace) -> None:
         residual=ResidualConfig(args.check_tokens, args.max_deviation),
     )
     console.log(f"the shared context ({cfg.context_tokens} tokens: written once, then cached)")
-    result = run_lora_bench(LoraBench(model, plain, activated, cfg), progress=console.log)
+    bench = LoraBench(model, plain, activated, cfg)
+    if args.engine == "vllm":
+        from kmesh.bench.lora_vllm import run_vllm_lora_bench
+
+        result = run_vllm_lora_bench(
+            bench, plain_dirs, activated_dirs, args.model, progress=console.log
+        )
+    else:
+        result = run_lora_bench(bench, progress=console.log)
     print_report(result, Console())
     write_json(args.json, result)
     picture = Path(args.json).with_suffix(".png")

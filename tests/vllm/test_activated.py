@@ -17,7 +17,7 @@ INVOCATION = [7, 8]
 
 def peft_folder(tmp_path, invocation=INVOCATION):
     folder = tmp_path / "adapter"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16}
     if invocation is not None:
         config["alora_invocation_tokens"] = invocation
@@ -45,7 +45,7 @@ def test_a_plain_adapter_is_loaded_as_it_is(tmp_path):
 
 
 def test_a_folder_without_a_config_is_refused_with_the_reason(tmp_path):
-    with pytest.raises(InvalidRequestError, match="adapter_config.json"):
+    with pytest.raises(InvalidRequestError, match=r"adapter_config\.json"):
         vllm_adapter_dir(tmp_path)
 
 
@@ -53,7 +53,9 @@ def test_an_activated_request_is_named_with_the_last_occurrence_of_its_invocatio
     folder = peft_folder(tmp_path)
     request = activated_lora_request("a", 3, folder, [1, 7, 8, 2, 7, 8, 5])
     assert request.lora_name == "a@from=4" and request.lora_int_id == 3
-    assert activation_of(request.lora_name, request.lora_path, [1, 7, 8, 2, 7, 8, 5]).note is None
+    named = activation_of(request.lora_name, request.lora_path, [1, 7, 8, 2, 7, 8, 5])
+    assert named is not None and (named.start, named.note) == (4, None)
+    assert activation_of("p", str(peft_folder(tmp_path / "plain", None)), [1, 7, 8]) is None
 
 
 def test_an_activated_adapter_whose_invocation_is_absent_leaves_the_prompt_to_the_base_model(
@@ -65,7 +67,9 @@ def test_an_activated_adapter_whose_invocation_is_absent_leaves_the_prompt_to_th
 def test_the_named_start_is_honoured_and_a_mismatch_is_reported(tmp_path):
     path = str(vllm_adapter_dir(peft_folder(tmp_path)))
     moved = activation_of("a@from=2", path, [1, 7, 8, 2, 7, 8, 5])
-    assert moved.start == 2 and "last occurrence in the prompt is at 4" in (moved.note or "")
+    assert moved is not None and moved.start == 2
+    assert "last occurrence in the prompt is at 4" in (moved.note or "")
     for name in ("a", "a@from=0", "a@from=99", "a@from=x"):
         unnamed = activation_of(name, path, [1, 7, 8, 2])
-        assert unnamed.start is None and "carries no start" in (unnamed.note or "")
+        assert unnamed is not None and unnamed.start is None
+        assert "carries no start" in (unnamed.note or "")

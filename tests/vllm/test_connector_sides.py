@@ -176,9 +176,7 @@ def test_an_activated_request_loads_published_base_blocks_and_fills_the_rest_to_
     assert stats["activation"] == {"start": ACTIVATION_START}
 
 
-def test_activated_requests_of_one_engine_fill_the_shared_base_blocks_once(
-    store, activated_folder
-):
+def test_activated_requests_of_one_engine_fill_the_shared_base_blocks_once(store, activated_folder):
     scheduler = side(store)
     x, y = activated("x1", activated_folder, "x"), activated("y1", activated_folder, "y")
     assert scheduler.get_num_new_matched_tokens(x, 0) == (ACTIVATION_START, False)

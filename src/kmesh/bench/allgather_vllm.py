@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from kmesh.bench.allgather import (
     STRATEGIES,
     SWEEP_RATIOS,
@@ -48,6 +46,7 @@ from kmesh.bench.allgather import (
 )
 from kmesh.bench.closed_loop import closed_loop_summary, run_closed_loop
 from kmesh.bench.strategy_requests import strategy_request
+from kmesh.bench.vllm_logits import first_token_logits, first_token_params
 from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.workloads.allgather import (
     AgentTurn,
@@ -196,17 +195,8 @@ class VllmAllGatherBench:
             (prompt, None if k is None else {n: x for n, x in k.items() if n != "keep_output"})
             for prompt, k in requests
         ]
-        first = SamplingParams(
-            temperature=0, max_tokens=1, logprobs=-1, flat_logprobs=True, detokenize=False
-        )
-        for a, out in enumerate(self._generate(requests, first)):
-            logprobs = out.outputs[0].logprobs
-            lo, hi = logprobs.start_indices[0], logprobs.end_indices[0]
-            row = torch.full((self.vocab_size,), float("-inf"))
-            ids = torch.tensor(logprobs.token_ids[lo:hi])
-            keep = ids < self.vocab_size
-            row[ids[keep]] = torch.tensor(logprobs.logprobs[lo:hi])[keep]
-            run.logits[(r, a)] = row
+        for a, out in enumerate(self._generate(requests, first_token_params())):
+            run.logits[(r, a)] = first_token_logits(out, self.vocab_size)
         greedy = SamplingParams(temperature=0, max_tokens=self.cfg.greedy_tokens, ignore_eos=True)
         for a, out in enumerate(self._generate(requests, greedy)):
             run.greedy[(r, a)] = list(out.outputs[0].token_ids)

@@ -60,7 +60,7 @@ class LoraBenchConfig:
 
 
 @dataclass(slots=True)
-class _Run:
+class LoraRun:
     computed_tokens: int
     kv_bytes: list[int]  # per agent, shared state not included
     shared_bytes: int  # counted once over the agents
@@ -123,14 +123,14 @@ class LoraBench:
             **options,
         )
 
-    def _collect(self, engine: Engine, requests: list[Request], agents: int) -> _Run:
+    def _collect(self, engine: Engine, requests: list[Request], agents: int) -> LoraRun:
         """Run the requests (a retained trunk first, if any, then one per agent)."""
         outputs = engine.generate(requests)
         agents_out = outputs[-agents:]
         # Forks start when their trunk is retained: its seconds, then theirs.
         trunk_seconds = outputs[0].stats.seconds if len(outputs) > agents else 0.0
         logits = [out.logits[0] for out in agents_out if out.logits is not None]
-        return _Run(
+        return LoraRun(
             computed_tokens=sum(out.stats.computed_tokens for out in outputs),
             kv_bytes=[],
             shared_bytes=0,
@@ -142,7 +142,7 @@ class LoraBench:
 
     def exact(
         self, agents: int, adapters: Sequence[LoraAdapter], prefix_caching: bool = True
-    ) -> _Run:
+    ) -> LoraRun:
         """Every agent's whole prompt under its adapter. With prefix caching plain adapters
         share nothing (the keys differ by adapter); without it (the reference for activated
         adapters, whose context blocks are base-keyed) no agent reuses another's blocks."""
@@ -161,7 +161,7 @@ class LoraBench:
         run.kv_bytes = [len(r.prompt_ids) * self.bytes_per_token for r in requests]
         return run
 
-    def activated_shared(self, agents: int) -> _Run:
+    def activated_shared(self, agents: int) -> LoraRun:
         """The context as a declared base trunk, computed once; each agent forks it."""
         adapters = self.activated[:agents]
         engine = self._engine(adapters, agents)
@@ -183,7 +183,7 @@ class LoraBench:
         run.kv_bytes = [len(r.prompt_ids) * self.bytes_per_token for r in requests[1:]]
         return run
 
-    def residual(self, agents: int, cfg: ResidualConfig) -> _Run:
+    def residual(self, agents: int, cfg: ResidualConfig) -> LoraRun:
         executor = self.model.executor
         adapters = self.plain[:agents]
         n = len(self.context)
@@ -234,7 +234,7 @@ class LoraBench:
         greedy = greedy_decode(
             executor, full, logits, self.cfg.greedy_tokens, [LoraUse(a, 0) for a in adapters]
         )
-        return _Run(
+        return LoraRun(
             computed_tokens=computed,
             kv_bytes=[
                 b + len(own) * self.bytes_per_token for b, own in zip(kv_bytes, owns, strict=True)
@@ -255,11 +255,11 @@ def run_lora_bench(
     for agents in cfg.agents:
         progress(f"{agents} agents: exact")
         exact = bench.exact(agents, bench.plain)
-        strategies["exact"]["runs"].append(exact.row(agents, _quality(exact, exact)))
+        strategies["exact"]["runs"].append(exact.row(agents, quality_against(exact, exact)))
         progress(f"{agents} agents: activated (and its own exact prefill, for the comparison)")
         shared = bench.activated_shared(agents)
         own_exact = bench.exact(agents, bench.activated, prefix_caching=False)
-        row = shared.row(agents, _quality(own_exact, shared))
+        row = shared.row(agents, quality_against(own_exact, shared))
         row["outputs_identical_to_exact"] = (
             sum(a == b for a, b in zip(shared.greedy, own_exact.greedy, strict=True)) / agents
         )
@@ -267,7 +267,7 @@ def run_lora_bench(
         strategies["activated"]["runs"].append(row)
         progress(f"{agents} agents: residual")
         residual = bench.residual(agents, cfg.residual)
-        row = residual.row(agents, _quality(exact, residual))
+        row = residual.row(agents, quality_against(exact, residual))
         row["agent_kl"] = [
             float(f"{kl:.4g}") for kl in next_token_kl(exact.logits, residual.logits)
         ]
@@ -291,5 +291,6 @@ def run_lora_bench(
     }
 
 
-def _quality(reference: _Run, run: _Run) -> Quality:
+def quality_against(reference: LoraRun, run: LoraRun) -> Quality:
+    """The run's first-token distributions and greedy continuations against the reference's."""
     return Quality.measure(reference.logits, run.logits, reference.greedy, run.greedy)

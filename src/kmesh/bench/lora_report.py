@@ -26,6 +26,8 @@ def _rows(result: dict[str, Any]) -> list[list[str]]:
     rows = []
     for index, agents in enumerate(result["config"]["agents"]):
         for name, strategy in result["strategies"].items():
+            if not strategy["runs"]:
+                continue  # not built on this engine (its "not_built" says why)
             run = strategy["runs"][index]
             q = run["quality"]
             if "outputs_identical_to_exact" in run:
@@ -56,13 +58,17 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     table = Table(
         *HEADER,
         title=(
-            f"bench lora: one {cfg['context_tokens']}-token context, one adapter per agent "
+            f"bench lora ({cfg.get('engine', 'reference')} engine): one "
+            f"{cfg['context_tokens']}-token context, one adapter per agent "
             f"(quality against exact; activated against its own full prefill)"
         ),
     )
     for row in _rows(result):
         table.add_row(*row)
     console.print(table)
+    for name, strategy in result["strategies"].items():
+        if "not_built" in strategy:
+            console.print(f"{name}: {strategy['not_built']}")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -73,6 +79,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     agents = result["config"]["agents"]
     for name, strategy in result["strategies"].items():
         runs = strategy["runs"]
+        if not runs:
+            continue
         tokens_axes.plot(agents, [r["computed_tokens"] for r in runs], marker="o", label=name)
         bytes_axes.plot(
             agents, [r["kv_bytes_per_agent"] / 2**20 for r in runs], marker="o", label=name

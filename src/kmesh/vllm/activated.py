@@ -110,11 +110,12 @@ class Activation:
     note: str | None = None
 
 
-def activation_of(lora_name: str, lora_path: str, prompt: Sequence[int]) -> Activation:
-    """The activation of a request under the vLLM adapter `lora_name` at `lora_path`."""
+def activation_of(lora_name: str, lora_path: str, prompt: Sequence[int]) -> Activation | None:
+    """The activation of a request under the vLLM adapter `lora_name` at `lora_path`; None for
+    a plain adapter."""
     invocation = invocation_of(lora_path)
     if invocation is None:
-        return Activation(None)
+        return None
     _, tag, named = lora_name.rpartition(START_TAG)
     if not tag or not named.isdigit() or not 0 < int(named) < len(prompt):
         return Activation(
