@@ -21,6 +21,7 @@ def main(out_dir: Path) -> None:
     from kmesh.adapters.prepare import ensure_adapters
     from kmesh.bench.lora import LoraBench, LoraBenchConfig
     from kmesh.bench.lora_vllm import VllmLoraBench, start_lora_engine
+    from kmesh.bench.quality import next_token_kl
     from kmesh.compute.loader import load_model
     from kmesh.compute.lora import load_adapter
     from kmesh.store.process import start_store
@@ -39,7 +40,7 @@ def main(out_dir: Path) -> None:
         try:
             on_vllm = VllmLoraBench(llm, bench, plain_dirs, activated_dirs, model.config.vocab_size)
             run = on_vllm.activated(AGENTS)
-            prompts = [bench.context + bench._own(i, a) for i, a in enumerate(activated)]
+            prompts = [bench.context + bench.own_tokens(i, a) for i, a in enumerate(activated)]
             loras = [
                 LoRARequest(a.name, 1 + i, str(p))
                 for i, (a, p) in enumerate(zip(plain, plain_dirs, strict=True))
@@ -52,17 +53,11 @@ def main(out_dir: Path) -> None:
     result = {
         "context_tokens": len(bench.context),
         "prompt_tokens": [len(p) for p in prompts],
-        "own_tokens": [len(bench._own(i, a)) for i, a in enumerate(activated)],
+        "own_tokens": [len(bench.own_tokens(i, a)) for i, a in enumerate(activated)],
         "activated": {"greedy": run.greedy, "stats": run.extra["agent_stats"]},
         "reference_greedy": reference.greedy,
         "plain_same_salt": {"stats": plain_run.extra["agent_stats"]},
-        "first_token_kl": [
-            float(x)
-            for x in (
-                (reference.logits.log_softmax(-1).exp())
-                * (reference.logits.log_softmax(-1) - run.logits.log_softmax(-1))
-            ).sum(-1)
-        ],
+        "first_token_kl": next_token_kl(reference.logits, run.logits).tolist(),
     }
     (out_dir / "result.json").write_text(json.dumps(result))
 

@@ -73,3 +73,45 @@ def test_the_named_start_is_honoured_and_a_mismatch_is_reported(tmp_path):
         unnamed = activation_of(name, path, [1, 7, 8, 2])
         assert unnamed is not None and unnamed.start is None
         assert "carries no start" in (unnamed.note or "")
+
+
+# -- through vLLM (tests/vllm/activated_job.py: trained adapters, a store, the reference engine) --
+
+JOB = "activated_job.py"
+
+
+@pytest.mark.vllm
+@pytest.mark.model
+def test_activated_agents_through_vllm_give_their_own_full_prefills_greedy_tokens(job_result):
+    assert job_result["activated"]["greedy"] == job_result["reference_greedy"]
+    # fp32 on both engines; the executor's base rows and vLLM's kernels differ by rounding only
+    assert max(job_result["first_token_kl"]) < 1e-6
+
+
+@pytest.mark.vllm
+@pytest.mark.model
+def test_activated_agents_through_vllm_compute_the_context_once(job_result):
+    context = job_result["context_tokens"]
+    first, second = job_result["activated"]["stats"]
+    for stats in (first, second):
+        assert stats["activation"]["start"] > context and "note" not in stats["activation"]
+    # The first computes the context's base rows (KMesh's executor) and publishes them; the
+    # second restores its whole blocks and computes only its own tokens and the context's tail.
+    assert first["restored_tokens"] == 0
+    assert first["recovered_tokens"] == first["activation"]["start"]
+    assert second["restored_tokens"] == context // 32 * 32
+    computed = sum(s["computed_tokens"] + s["recovery"]["computed_tokens"] for s in (first, second))
+    own = sum(job_result["own_tokens"])
+    assert context + own <= computed < context + own + 32  # within a block of the context once
+
+
+@pytest.mark.vllm
+@pytest.mark.model
+def test_a_plain_adapter_through_vllm_never_receives_the_base_state_activated_ones_published(
+    job_result,
+):
+    for stats, prompt in zip(
+        job_result["plain_same_salt"]["stats"], job_result["prompt_tokens"], strict=True
+    ):
+        assert stats["restored_tokens"] == stats["reused_tokens"] == 0
+        assert stats["computed_tokens"] == prompt and "activation" not in stats

@@ -109,7 +109,7 @@ class LoraBench:
         self.context = shared_context(notes_engine, model.tokenizer, cfg.context_tokens, cfg.seed)
         self.params = SamplingParams(max_tokens=cfg.greedy_tokens, stop_token_ids=())
 
-    def _own(self, agent: int, adapter: LoraAdapter) -> tuple[int, ...]:
+    def own_tokens(self, agent: int, adapter: LoraAdapter) -> tuple[int, ...]:
         return agent_tokens(self.model.tokenizer, agent, adapter.invocation_tokens)
 
     def _engine(self, adapters: Sequence[LoraAdapter], agents: int, **options: Any) -> Engine:
@@ -150,7 +150,7 @@ class LoraBench:
         requests = [
             Request(
                 f"agent-{i}",
-                self.context + self._own(i, a),
+                self.context + self.own_tokens(i, a),
                 self.params,
                 adapter=a.name,
                 keep_logits=True,
@@ -170,7 +170,7 @@ class LoraBench:
         requests += [
             Request(
                 f"agent-{i}",
-                self._own(i, a),
+                self.own_tokens(i, a),
                 self.params,
                 parent_id="context",
                 adapter=a.name,
@@ -211,7 +211,7 @@ class LoraBench:
                 private = n * self.bytes_per_token
             contexts.append(kv)
             kv_bytes.append(private)
-        owns = [self._own(i, a) for i, a in enumerate(adapters)]
+        owns = [self.own_tokens(i, a) for i, a in enumerate(adapters)]
         outputs = executor.forward(
             [
                 SequenceInput(

@@ -62,7 +62,7 @@ class VllmLoraBench:
         prompts, loras = [], []
         for i in range(agents):
             adapter, folder = self.bench.plain[i], self.plain_dirs[i]
-            prompts.append(self.bench.context + self.bench._own(i, adapter))
+            prompts.append(self.bench.context + self.bench.own_tokens(i, adapter))
             loras.append(LoRARequest(adapter.name, 1 + i, str(folder)))
         return self.run(prompts, loras, f"kmesh-bench-lora:exact:{agents}")
 
@@ -70,7 +70,7 @@ class VllmLoraBench:
         prompts, loras = [], []
         for i in range(agents):
             adapter, folder = self.bench.activated[i], self.activated_dirs[i]
-            prompt = self.bench.context + self.bench._own(i, adapter)
+            prompt = self.bench.context + self.bench.own_tokens(i, adapter)
             prompts.append(prompt)
             loras.append(activated_lora_request(adapter.name, 1001 + i, folder, prompt))
         run = self.run(prompts, loras, f"kmesh-bench-lora:activated:{agents}")
@@ -87,7 +87,7 @@ class VllmLoraBench:
         kinds = ((bench.plain, self.plain_dirs, 1), (bench.activated, self.activated_dirs, 1001))
         for adapters, dirs, first_id in kinds:
             for i, (adapter, folder) in enumerate(zip(adapters, dirs, strict=True)):
-                prompt = bench.context[:64] + bench._own(i, adapter)
+                prompt = bench.context[:64] + bench.own_tokens(i, adapter)
                 inputs.append(TokensPrompt(prompt_token_ids=list(prompt), cache_salt="warm-up"))
                 if adapter.activated:
                     loras.append(activated_lora_request(adapter.name, first_id + i, folder, prompt))
