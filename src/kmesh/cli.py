@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -76,7 +77,11 @@ def _serve(args: argparse.Namespace) -> None:
             flush=True,
         )
 
-    config = uvicorn.Config(create_app(backend, on_ready=ready), log_level="warning")
+    access = logging.getLogger("kmesh.serve")  # the access lines and ignored fields, on stderr
+    access.setLevel(logging.INFO)
+    access.addHandler(logging.StreamHandler())
+    app = create_app(backend, on_ready=ready, strict_fields=args.strict_fields)
+    config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])
 
 
@@ -578,6 +583,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0: any free port")
+    serve.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse request fields the server does not know (default: ignore and log them)",
+    )
     serve.add_argument(
         "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"
     )

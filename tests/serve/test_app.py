@@ -91,8 +91,24 @@ def test_a_streamed_completion_reassembles_to_the_same_text(client):
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
     assert [c["choices"][0]["finish_reason"] for c in chunks[-2:]] == [None, "length"]
-    assert chunks[-1]["usage"] == whole["usage"]
+    assert all("usage" not in c for c in chunks)  # not asked for
     check_stats(chunks[-1]["kmesh"])
+
+
+def test_a_stream_asked_for_usage_ends_with_openais_usage_chunk(client):
+    whole = complete(client, prompt="The recipe for bread:", max_tokens=12)
+    chunks = stream(
+        client,
+        "/v1/completions",
+        prompt="The recipe for bread:",
+        max_tokens=12,
+        stream_options={"include_usage": True},
+    )
+    *text, last = chunks
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert last["id"] == text[0]["id"] and all("usage" not in c for c in text)
+    assert text[-1]["choices"][0]["finish_reason"] == "length"
+    check_stats(text[-1]["kmesh"])
 
 
 def test_chat_answers_in_the_chat_template(client):
@@ -206,8 +222,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
     ({"prompt": "x", "n": 2}, "n must be 1"),
     ({"prompt": "x", "stop": ["\n"]}, "stop is not supported"),
+    ({"prompt": "x", "logprobs": 2}, "log-probabilities are not returned yet"),
+    ({"prompt": "x", "top_logprobs": 2}, "log-probabilities are not returned yet"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "only plain text"),
+    ({"prompt": "x", "tools": [{"type": "function"}]}, "tools (function calling)"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty: Input should be less than"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: Input should be greater"),
     ({"prompt": "x", "model": "gpt-4"}, "serves 'SmolLM2-135M-Instruct'"),
-    ({"prompt": "x", "max_token": 5}, "max_token: unknown field: remove it (fields: model,"),
     ({"prompt": "x", "kmesh": {"branches": 2}}, "'branches' and 'close' need a 'family'"),
     ({"prompt": "x", "kmesh": {"family": ""}}, "malformed kmesh field: kmesh.family"),
     (
@@ -233,7 +254,7 @@ BAD_CHATS = [
     ({"messages": []}, "messages: List should have at least 1 item"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role: Input should be"),
     ({"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
-    ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages.0.name: unknown"),
+    ({"messages": [{"role": "user", "content": "x", "name": ""}]}, "messages.0.name: String"),
     ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "disagree"),
     (
         {"messages": CHAT, "kmesh": {"segments": [{"text": "x"}]}},
@@ -266,6 +287,57 @@ def test_the_server_keeps_serving_after_bad_requests(client):
     assert complete(client, prompt="Still there?", max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
+def test_fields_openai_clients_send_are_served(client):
+    """What vLLM's benchmark client, AutoGen and the OpenAI client send: nulls, neutral
+    penalties, a speaker's name, fields this server does not know (ignored)."""
+    plain = complete(client, prompt="The river towns", max_tokens=6)
+    body = complete(
+        client,
+        prompt="The river towns",
+        max_tokens=6,
+        repetition_penalty=1.0,
+        logprobs=None,
+        stop=None,
+        top_k=-1,
+        ignore_eos=False,
+    )
+    assert body["choices"][0]["text"] == plain["choices"][0]["text"]
+    messages = [{"role": "user", "content": "Hi", "name": "alice", "thinking": None}]
+    response = client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 4, "temperature": 0, "temperature2": 1},
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_penalties_change_what_greedy_picks(client):
+    prompt = "Count: 1, 2, 3,"
+    plain = complete(client, prompt=prompt, max_tokens=12)["choices"][0]["text"]
+    assert plain == " 4, 5, 6, 7,"  # greedy repeats ", " (prompt tokens)
+    penalized = complete(client, prompt=prompt, max_tokens=12, repetition_penalty=1.5)
+    assert ", 5, 6" not in penalized["choices"][0]["text"]
+
+
+def test_a_strict_server_refuses_unknown_fields_and_names_them(real_model):
+    backend = ReferenceBackend(real_model, kv_cache_tokens=1024)
+    with TestClient(create_app(backend, strict_fields=True)) as strict:
+        error = refused(strict, {"prompt": "x", "max_token": 5})
+        assert error["message"].startswith("max_token: unknown field: remove it (top-level")
+        assert error["param"] == "max_token"
+        chat = {"messages": [{"role": "user", "content": "x", "nam": "a"}]}
+        assert refused(strict, chat, "/v1/chat/completions")["param"] == "messages.0.nam"
+
+
+def test_every_request_gets_an_access_line(client, caplog):
+    with caplog.at_level("INFO", logger="kmesh.serve.access"):
+        complete(client, prompt="Hello", max_tokens=2)
+        refused(client, {"prompt": "x", "n": 2})
+    served, failed = [r.getMessage() for r in caplog.records if r.name == "kmesh.serve.access"]
+    assert served.startswith("POST /v1/completions 200 prompt_tokens=")
+    assert "completion_tokens=2" in served and "computed_tokens=" in served
+    assert failed.startswith("POST /v1/completions 400 n must be 1")
+
+
 def test_an_unknown_route_gets_an_openai_error(client):
     response = client.get("/v1/engines")
     assert response.status_code == 404
@@ -277,7 +349,10 @@ def test_requests_at_once_are_all_answered(client):
 
     def one(prompt):
         if prompt.endswith("1:"):
-            chunks = stream(client, "/v1/completions", prompt=prompt, max_tokens=6)
+            options = {"include_usage": True}
+            chunks = stream(
+                client, "/v1/completions", prompt=prompt, max_tokens=6, stream_options=options
+            )
             return chunks[-1]["usage"]["completion_tokens"]
         return complete(client, prompt=prompt, max_tokens=6)["usage"]["completion_tokens"]
 

@@ -64,15 +64,17 @@ def test_a_streamed_chat_through_the_openai_client(server):
             max_tokens=16,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"kmesh": {"family": "geo"}},
         )
     )
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    *text_chunks, usage = chunks
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in text_chunks)
     assert "Paris" in text
-    last = chunks[-1]
+    last = text_chunks[-1]
     assert last.choices[0].finish_reason in ("stop", "length")
-    assert last.usage is not None and last.usage.completion_tokens > 0
     assert last.model_extra["kmesh"]["family"] == "geo"
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens > 0
 
 
 def test_a_bad_request_raises_the_clients_bad_request_error(server):

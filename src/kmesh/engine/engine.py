@@ -309,7 +309,8 @@ class Engine:
     def _sample_into(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.request.params
         assert params is not None
-        token, logprob = sample(logits, params, seq.generator)
+        prompt = seq.token_ids[: seq.num_prompt]
+        token, logprob = sample(logits, params, seq.generator, prompt, seq.output_ids)
         seq.append(token, logprob, logits)
         if len(seq.output_ids) == 1:
             seq.stats.first_token_seconds = time.perf_counter() - seq.submitted_at

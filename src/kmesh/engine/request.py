@@ -20,6 +20,10 @@ class SamplingParams:
     # Generation ends after any of these tokens (it is kept in the output). None: the model's
     # end-of-sequence tokens; (): never stop early.
     stop_token_ids: tuple[int, ...] | None = None
+    # vLLM's penalties (engine/sampler.py); neutral by default.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -32,6 +36,13 @@ class SamplingParams:
             )
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 (1 is neutral), got {self.repetition_penalty}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

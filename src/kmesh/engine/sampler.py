@@ -1,4 +1,12 @@
-"""Pick the next token from logits: greedy, or temperature / top-p with a per-request generator."""
+"""Pick the next token from logits: greedy, or temperature / top-p with a per-request generator,
+after the sampling penalties vLLM applies (the same definitions, so both engines agree):
+- repetition_penalty r (CTRL's): a token seen in the prompt or the output has its logit divided by
+  r where positive, multiplied by r where negative;
+- frequency_penalty f and presence_penalty p: a token the output holds c times loses f * c + p
+  (p once it appears at all).
+"""
+
+from collections.abc import Sequence
 
 import torch
 
@@ -6,10 +14,16 @@ from kmesh.engine.request import SamplingParams
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_ids: Sequence[int] = (),
+    output_ids: Sequence[int] = (),
 ) -> tuple[int, float]:
-    """Return (token id, the model's log-probability of it) for float32 logits of shape [vocab]."""
+    """Return (token id, the model's log-probability of it) for float32 logits of shape [vocab];
+    the penalties see the sequence's prompt and output so far."""
     logprobs = torch.log_softmax(logits, dim=-1)
+    logits = penalized(logits, params, prompt_ids, output_ids)
     if params.temperature == 0:
         token = int(torch.argmax(logits))
         return token, float(logprobs[token])
@@ -22,3 +36,24 @@ def sample(
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(logprobs[token])
+
+
+def penalized(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+) -> torch.Tensor:
+    """The logits after the penalties (module docstring); the same tensor when all are neutral."""
+    r, f, p = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    if r == 1.0 and f == 0.0 and p == 0.0:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[0]
+    counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)
+    if r != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        logits = torch.where(seen & (logits > 0), logits / r, logits)
+        logits = torch.where(seen & (logits < 0), logits * r, logits)
+    return logits - f * counts.to(logits.dtype) - p * (counts > 0).to(logits.dtype)

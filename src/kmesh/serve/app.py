@@ -1,14 +1,20 @@
 """The HTTP side of `kmesh serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions.
 
-Every response carries a top-level `kmesh` object (a stream: its last chunk, with usage):
+Every response carries a top-level `kmesh` object (a stream: on its last content chunk):
 prompt_tokens, computed_tokens, reused_tokens (local prefix cache), restored_tokens (external
-store), family and engine. A caller's mistake gets HTTP 400 in OpenAI's error shape with a message
-that says what to change; anything else gets 500 and a traceback in the server's log only.
+store), family and engine. A stream carries usage only when `stream_options.include_usage` asks,
+in OpenAI's shape: a last chunk with no choices, before `data: [DONE]`.
+
+A caller's mistake gets HTTP 400 in OpenAI's error shape with a message that says what to change;
+anything else gets 500 and a traceback in the server's log only. Fields the server does not know
+are ignored and logged, as vLLM's server does (`strict_fields`: refused with a 400). Each request
+gets one line in the `kmesh.serve.access` log: status, then tokens and reuse, or the error.
 """
 
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
@@ -16,39 +22,48 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from kmesh.errors import KMeshError
 from kmesh.serve.backend import Backend, Delta, GenerationJob
 from kmesh.serve.detokenizer import IncrementalDecoder
-from kmesh.serve.jobs import chat_job, completion_job
+from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
 from kmesh.serve.schema import (
     CHAT,
     COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerationRequest,
     ResponseBuilder,
     ResponseShape,
     error_body,
+    unknown_fields,
     usage,
 )
 
 logger = logging.getLogger(__name__)
+access = logging.getLogger("kmesh.serve.access")
 
 INTERNAL_ERROR = "internal server error (the server's log has the details); retry or report it"
 ROUTES = "GET /v1/models, POST /v1/completions and POST /v1/chat/completions"
 # A union alternative's place in an error's loc (like "str" or "list[TextPart]"), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool)$|\[")
-_BODIES: dict[str, type[BaseModel]] = {
-    "/v1/completions": CompletionRequest,
-    "/v1/chat/completions": ChatCompletionRequest,
-}
+# The counts in a served request's access line.
+_LOGGED = (
+    "prompt_tokens",
+    "completion_tokens",
+    "computed_tokens",
+    "reused_tokens",
+    "restored_tokens",
+    "recovered_tokens",
+)
 
 
-def create_app(backend: Backend, on_ready: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    backend: Backend, on_ready: Callable[[], None] | None = None, strict_fields: bool = False
+) -> FastAPI:
     """The server's app; it starts the backend on startup (then calls `on_ready`) and closes
-    it on shutdown."""
+    it on shutdown. `strict_fields`: refuse unknown fields instead of ignoring them."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,33 +87,72 @@ def create_app(backend: Backend, on_ready: Callable[[], None] | None = None) -> 
         return {"object": "list", "data": [model]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        return await _respond(backend, completion_job(body, backend), COMPLETION, body.stream)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        _unknown(body, strict_fields)
+        job = completion_job(body, backend)
+        return await _respond(backend, job, COMPLETION, body, _route(request))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await _respond(backend, chat_job(body, backend), CHAT, body.stream)
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        _unknown(body, strict_fields)
+        return await _respond(backend, chat_job(body, backend), CHAT, body, _route(request))
 
     return app
 
 
+def _unknown(body: GenerationRequest, strict: bool) -> None:
+    """Refuse (strict) or log the body's fields this server does not know."""
+    fields = unknown_fields(body)
+    if not fields:
+        return
+    if strict:
+        known = ", ".join(type(body).model_fields)
+        raise RequestFieldError(
+            f"{fields[0]}: unknown field: remove it (top-level fields: {known})", fields[0]
+        )
+    logger.info("ignored fields this server does not know: %s", ", ".join(fields))
+
+
+def _route(request: Request) -> str:
+    return f"{request.method} {request.url.path}"
+
+
 async def _respond(
-    backend: Backend, job: GenerationJob, shape: ResponseShape, stream: bool
+    backend: Backend, job: GenerationJob, shape: ResponseShape, body: GenerationRequest, route: str
 ) -> Response:
     builder = ResponseBuilder.new(shape, backend.model_id)
     decoder = IncrementalDecoder(backend.tokenizer)
-    if stream:
+    started = time.perf_counter()
+    if body.stream:
         deltas = backend.generate(job)
         # Errors before the first token (the engine refusing the job) are still HTTP errors.
         first = await anext(deltas)
-        events = _events(backend, job, builder, decoder, first, deltas)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(
+            backend,
+            job,
+            builder,
+            decoder,
+            (first, deltas),
+            include_usage,
+            lambda totals: _log_done(route, totals, started),
+        )
         return StreamingResponse(events, media_type="text/event-stream")
     last = Delta(())
     async with aclosing(backend.generate(job)) as deltas:
         async for last in deltas:
             decoder.add(last.token_ids)
     totals = _totals(backend, job, last, decoder)
+    _log_done(route, totals, started)
     return JSONResponse(builder.response(decoder.take_rest(), _finish_reason(last), **totals))
+
+
+def _log_done(route: str, totals: dict[str, Any], started: float) -> None:
+    """A served request's access line: its tokens and reuse (none after a failed stream)."""
+    stats = {**totals.get("kmesh", {}), **totals.get("usage", {})}
+    counts = " ".join(f"{name}={stats[name]}" for name in _LOGGED if name in stats)
+    seconds = time.perf_counter() - started
+    access.info("%s 200 %s %.3fs", route, counts or "(failed mid-stream)", seconds)
 
 
 async def _events(
@@ -106,12 +160,16 @@ async def _events(
     job: GenerationJob,
     builder: ResponseBuilder,
     decoder: IncrementalDecoder,
-    first: Delta,
-    deltas: AsyncGenerator[Delta, None],
+    deltas_from: tuple[Delta, AsyncGenerator[Delta, None]],
+    include_usage: bool,
+    done: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[str]:
-    """Server-sent events: `data: {chunk}` for new text, the last chunk with finish_reason,
-    usage and kmesh, then `data: [DONE]`. A failure after the first token ends the stream
-    with an error object instead of the last chunk."""
+    """Server-sent events: `data: {chunk}` for new text, the last chunk with finish_reason and
+    kmesh, then (`include_usage`) a chunk with no choices and the usage, then `data: [DONE]`.
+    A failure after the first token ends the stream with an error object instead of the last
+    chunk. `done` gets the totals (none after a failure) once the stream ends."""
+    first, deltas = deltas_from
+    totals: dict[str, Any] = {}
     async with aclosing(deltas):
         try:
             opening = builder.opening_chunk()
@@ -126,10 +184,15 @@ async def _events(
                 delta = await anext(deltas)
             decoder.add(delta.token_ids)
             totals = _totals(backend, job, delta, decoder)
-            yield _event(builder.chunk(decoder.take_rest(), delta.finish_reason, **totals))
+            rest = decoder.take_rest()
+            yield _event(builder.chunk(rest, delta.finish_reason, kmesh=totals["kmesh"]))
+            if include_usage:
+                yield _event(builder.usage_chunk(totals["usage"]))
         except Exception:
             logger.exception("a streamed request failed")
+            totals = {}
             yield _event(error_body(INTERNAL_ERROR, kind="server_error"))
+    done(totals)
     yield "data: [DONE]\n\n"
 
 
@@ -156,28 +219,37 @@ def _totals(
 
 async def _invalid_body(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    message, param = describe_validation_errors(exc.errors(), _BODIES.get(request.url.path))
-    return JSONResponse(error_body(message, param), status_code=400)
+    message, param = describe_validation_errors(exc.errors())
+    return _error(request, 400, message, param)
 
 
 async def _refused(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), getattr(exc, "param", None)), status_code=400)
+    return _error(request, 400, str(exc), getattr(exc, "param", None))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     message = f"{exc.detail}: {request.method} {request.url.path}; this server serves {ROUTES}"
-    return JSONResponse(error_body(message), status_code=exc.status_code)
+    return _error(request, exc.status_code, message)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # NOTE: Starlette re-raises the exception after this response, and uvicorn logs it.
-    return JSONResponse(error_body(INTERNAL_ERROR, kind="server_error"), status_code=500)
+    return _error(request, 500, INTERNAL_ERROR, kind="server_error")
 
 
-def describe_validation_errors(
-    errors: Sequence[Any], body: type[BaseModel] | None
-) -> tuple[str, str | None]:
+def _error(
+    request: Request,
+    status: int,
+    message: str,
+    param: str | None = None,
+    kind: str = "invalid_request_error",
+) -> JSONResponse:
+    access.info("%s %d %s", _route(request), status, message)
+    return JSONResponse(error_body(message, param, kind), status_code=status)
+
+
+def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
     """One message for pydantic's errors on a request body, and the first field at fault."""
     problems: list[str] = []
     # Field -> what each alternative of its type says (a union reports one error per type).
@@ -195,10 +267,6 @@ def describe_validation_errors(
                 if kind == "missing"
                 else "the body must be a JSON object (Content-Type: application/json)"
             )
-        elif kind == "extra_forbidden":
-            top_level = body is not None and len(loc) == 1
-            fields = f" (fields: {', '.join(body.model_fields)})" if top_level and body else ""
-            wrong.setdefault(field, []).append(f"unknown field: remove it{fields}")
         else:
             says = wrong.setdefault(field, [])
             says.append(error["msg"].removeprefix("Input should be ") if says else error["msg"])

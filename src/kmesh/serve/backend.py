@@ -23,6 +23,10 @@ class GenerationJob:
     kmesh: KMeshParams | None
     # The tenant: state is never shared across salts (None: the shared namespace).
     cache_salt: str | None
+    # vLLM's sampling penalties (kmesh/engine/sampler.py), neutral by default.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,10 @@ def chat_job(request: ChatCompletionRequest, backend: Backend) -> GenerationJob:
         raise RequestFieldError(
             f"model {backend.model_id!r} has no chat template: use /v1/completions", "messages"
         )
-    messages = [{"role": m.role, "content": m.text} for m in request.messages]
+    messages = [
+        {"role": m.role, "content": m.text, **({} if m.name is None else {"name": m.name})}
+        for m in request.messages
+    ]
     prompt_ids = chat_prompt_ids(backend.tokenizer, messages)
     max_tokens = request.max_completion_tokens or request.max_tokens or backend.max_model_len
     return _job(request, backend, prompt_ids, max_tokens, kmesh, "messages")
@@ -146,6 +149,24 @@ def _check_options(request: GenerationRequest, backend: Backend) -> None:
             "token or after max_tokens)",
             "stop",
         )
+    if request.logprobs or request.top_logprobs:
+        field = "logprobs" if request.logprobs else "top_logprobs"
+        raise RequestFieldError(
+            f"{field}: log-probabilities are not returned yet: leave logprobs and top_logprobs "
+            "out (or false / null)",
+            field,
+        )
+    if request.response_format is not None and request.response_format.get("type") != "text":
+        raise RequestFieldError(
+            f"response_format {request.response_format.get('type')!r} is not supported: only "
+            "plain text ({'type': 'text'}); leave it out",
+            "response_format",
+        )
+    if request.tools:
+        raise RequestFieldError(
+            "tools (function calling) are not supported: leave tools and tool_choice out",
+            "tools",
+        )
 
 
 def _job(
@@ -171,4 +192,7 @@ def _job(
         seed=request.seed,
         kmesh=kmesh,
         cache_salt=request.cache_salt,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
     )

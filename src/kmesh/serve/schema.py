@@ -1,8 +1,10 @@
 """The OpenAI request bodies `kmesh serve` accepts, and the response objects it returns.
 
-Types are strict (a number in quotes is refused) and unknown fields are refused, so a typo is
-reported instead of silently ignored. `kmesh` and `kv_transfer_params` are checked by
-kmesh.serve.jobs (with kmesh.state.request_meta), not here.
+Types are strict (a number in quotes is refused). An explicit `null` means the field is absent
+(as OpenAI's and vLLM's servers read it). Fields this server does not know are kept aside
+(`unknown_fields`): the app ignores and logs them, as vLLM's server does, or refuses them in strict
+mode. `kmesh` and `kv_transfer_params` are checked by kmesh.serve.jobs (with
+kmesh.state.request_meta), not here.
 """
 
 import time
@@ -10,24 +12,50 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Body(BaseModel):
+    """Strict types, `null` read as absent, unknown fields kept in `model_extra`."""
 
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Body):
+    # OpenAI's: a last chunk with no choices and the usage, before [DONE].
+    include_usage: bool = False
+
+
+class GenerationRequest(_Body):
     # If given, the served model's id (GET /v1/models).
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
-    # Accepted for compatibility: usage always comes on the last chunk of a stream.
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     # Only None or empty: stop strings are not supported.
     stop: str | list[str] | None = None
     # Only 1.
     n: int = 1
+    # vLLM's sampling penalties (kmesh/engine/sampler.py has their definitions).
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    # Not returned yet: only absent or off (refused otherwise, by kmesh.serve.jobs).
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    # Only plain text (refused otherwise).
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
     # Accepted and ignored.
     user: str | None = None
     # The keyed-state object (family, segments); see kmesh.state.request_meta.
@@ -44,18 +72,16 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(default=16, ge=1)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
+    # The speaker's name (OpenAI's): handed to the chat template with the message.
+    name: str | None = Field(default=None, min_length=1)
 
     @property
     def text(self) -> str:
@@ -70,6 +96,19 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     # OpenAI's newer name for max_tokens.
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """The fields of `body` (and of the bodies inside it) this server does not know, dotted."""
+    found = [f"{prefix}{name}" for name in body.model_extra or {}]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{prefix}{name}.{i}." if isinstance(value, list) else f"{prefix}{name}."
+                found += unknown_fields(item, where)
+    return found
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
@@ -136,13 +175,19 @@ class ResponseBuilder:
             content = {"text": text}
         return self._body(self.shape.chunk_object, _choice(content, finish_reason), extra)
 
-    def _body(self, kind: str, choice: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        """A stream's usage (`stream_options.include_usage`): OpenAI's last chunk, no choices."""
+        return {**self._body(self.shape.chunk_object, None, {}), "choices": [], "usage": usage}
+
+    def _body(
+        self, kind: str, choice: dict[str, Any] | None, extra: dict[str, Any]
+    ) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": kind,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": [] if choice is None else [choice],
             **extra,
         }
 

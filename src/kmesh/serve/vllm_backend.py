@@ -60,6 +60,9 @@ class VLLMBackend:
             temperature=job.temperature,
             top_p=job.top_p,
             seed=job.seed,
+            presence_penalty=job.presence_penalty,
+            frequency_penalty=job.frequency_penalty,
+            repetition_penalty=job.repetition_penalty,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,
         )

@@ -1,0 +1,41 @@
+"""The sampler's penalties, as vLLM defines them (engine/sampler.py)."""
+
+import pytest
+import torch
+
+from kmesh.engine.request import SamplingParams
+from kmesh.engine.sampler import penalized, sample
+from kmesh.errors import InvalidRequestError
+
+LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+
+
+def test_neutral_penalties_leave_the_logits_alone():
+    assert penalized(LOGITS, SamplingParams(), [0, 1], [3]) is LOGITS
+
+
+def test_frequency_and_presence_penalties_count_the_output_only():
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    out = penalized(LOGITS, params, prompt_ids=[2], output_ids=[3, 3, 1])
+    expected = LOGITS - torch.tensor([0.0, 0.75, 0.0, 1.25, 0.0])
+    assert torch.equal(out, expected)
+
+
+def test_repetition_penalty_shrinks_every_seen_token_toward_unlikely():
+    out = penalized(LOGITS, SamplingParams(repetition_penalty=2.0), [0, 1], [4])
+    assert torch.equal(out, torch.tensor([1.0, -2.0, 0.5, 3.0, -4.0]))
+
+
+def test_greedy_takes_the_best_token_after_the_penalties_and_reports_its_model_logprob():
+    params = SamplingParams(presence_penalty=2.0)
+    token, logprob = sample(LOGITS, params, None, output_ids=[3])
+    assert token == 0
+    assert logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}]
+)
+def test_penalties_out_of_range_are_refused(kwargs):
+    with pytest.raises(InvalidRequestError, match="penalty"):
+        SamplingParams(**kwargs)
