@@ -61,10 +61,9 @@ def generated(output: Any) -> dict[str, Any]:
 def with_connector() -> dict[str, Any]:
     from vllm import LLM
 
-    from kmesh.vllm.config import attach, vllm_engine_kwargs
+    from kmesh.vllm.config import vllm_engine_kwargs
 
     llm = LLM(**vllm_engine_kwargs(**OPTIONS))
-    attach(llm)
     named = prompts(llm.get_tokenizer())
 
     def run(name: str, kmesh: dict | None = None, reset: bool = True) -> dict[str, Any]:

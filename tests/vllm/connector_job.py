@@ -56,10 +56,9 @@ def prompts(tokenizer: Any) -> dict[str, list[int]]:
 def with_connector(store: str, lora: dict, options: dict) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from kmesh.vllm.config import attach, vllm_engine_kwargs
+    from kmesh.vllm.config import vllm_engine_kwargs
 
     llm = LLM(**vllm_engine_kwargs(store=store, **options))
-    attach(llm)
     named = prompts(llm.get_tokenizer())
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 

@@ -284,7 +284,7 @@ def run_vllm_allgather_bench(
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Start vLLM with KMeshConnector on the model folder (pages of `block_size` tokens,
-    default DEFAULT_BLOCK_SIZE), attach it, run the four strategies."""
+    default DEFAULT_BLOCK_SIZE; its worker attaches recovery), run the four strategies."""
     import json
     from pathlib import Path
 
@@ -294,7 +294,6 @@ def run_vllm_allgather_bench(
     from kmesh.vllm.config import (
         DEFAULT_BLOCK_SIZE,
         DEFAULT_KV_CACHE_BYTES,
-        attach,
         vllm_engine_kwargs,
     )
     from kmesh.vllm.scheduler_side import model_fingerprint
@@ -321,7 +320,6 @@ def run_vllm_allgather_bench(
     )
     llm = LLM(**kwargs)
     try:
-        attach(llm)
         bench = VllmAllGatherBench(
             llm, turns, workload, cfg, hf["vocab_size"], kv_bytes_per_token, block_size, progress
         )

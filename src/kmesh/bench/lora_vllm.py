@@ -161,10 +161,10 @@ def run_vllm_lora_bench(
 
 def start_lora_engine(bench: LoraBench, store: str, model: str | None = None) -> Any:
     """vLLM with KMeshConnector on `store`, LoRA enabled for the bench's adapters, room for the
-    most agents' prompts twice, recovery attached."""
+    most agents' prompts twice (its worker attaches recovery)."""
     from vllm import LLM
 
-    from kmesh.vllm.config import attach, vllm_engine_kwargs
+    from kmesh.vllm.config import vllm_engine_kwargs
 
     most = max(bench.cfg.agents)
     per_agent = len(bench.context) + 128 + bench.cfg.greedy_tokens
@@ -181,7 +181,6 @@ def start_lora_engine(bench: LoraBench, store: str, model: str | None = None) ->
             max_logprobs=-1,
         )
     )
-    attach(llm)
     return llm
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from kmesh.serve.backend import Delta, GenerationJob
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
-from kmesh.vllm.config import ATTACH, vllm_engine_kwargs
+from kmesh.vllm.config import vllm_engine_kwargs
 
 
 class VLLMBackend:
@@ -39,8 +39,8 @@ class VLLMBackend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Its worker (kmesh/vllm/worker.py) attaches recovery to vLLM's own loaded model.
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
-        await self._llm.collective_rpc(ATTACH)  # recovery runs on vLLM's own loaded model
 
     async def close(self) -> None:
         if self._llm is not None:

@@ -18,9 +18,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # vLLM's page size in tokens on CPU (a multiple of 32; vLLM's own default is 128). See
 # docs/FINDINGS.md for the measurement that chose it.
 DEFAULT_BLOCK_SIZE = 32
-# vLLM's worker_extension_cls (kmesh/vllm/worker_extension.py) and its method.
-WORKER_EXTENSION = "kmesh.vllm.worker_extension.KMeshWorkerExtension"
-ATTACH = "kmesh_attach"
+# vLLM's worker_cls: the platform's worker, attaching recovery at startup (kmesh/vllm/worker.py).
+WORKER = "kmesh.vllm.worker.KMeshWorker"
 
 
 def kv_transfer_config(store: str | None) -> dict[str, Any]:
@@ -66,12 +65,6 @@ def vllm_engine_kwargs(
     }
     if connector:
         kwargs["kv_transfer_config"] = kv_transfer_config(store)
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        kwargs["worker_cls"] = WORKER
     kwargs.update(overrides)
     return kwargs
-
-
-def attach(llm: Any) -> None:
-    """Give KMeshConnector's worker half vLLM's loaded model (for recovery) in an offline
-    `vllm.LLM`; an AsyncLLM awaits `engine.collective_rpc(ATTACH)` instead."""
-    llm.collective_rpc(ATTACH)

@@ -1,11 +1,12 @@
-"""vLLM worker extension: hands the worker's loaded model to KMeshConnector's worker half.
+"""vLLM worker methods that hand the worker's loaded model to KMeshConnector's worker half.
 
-vLLM gives a KV connector its KV cache tensors but never the model. A `worker_extension_cls` is
-mixed into vLLM's worker class (appended to its bases, so it can add methods, not override them:
-vllm/v1/worker/worker_base.py::WorkerWrapperBase.init_worker), and its methods run in the worker
-through `collective_rpc`. `kmesh_attach` builds KMesh's layerwise executor over the worker's model
-modules (kmesh/vllm/model_bridge.py: the same weights, no second copy) and gives it to the
-connector, whose recovery then runs inside the worker.
+vLLM gives a KV connector its KV cache tensors but never the model. `kmesh_attach` builds KMesh's
+layerwise executor over the worker's model modules (kmesh/vllm/model_bridge.py: the same weights,
+no second copy) and gives it to the connector, whose recovery then runs inside the worker.
+KMeshWorker (kmesh/vllm/worker.py) calls it at startup; as vLLM's `worker_extension_cls` it can
+also be mixed into another worker class (appended to its bases: it adds methods, it cannot
+override them, vllm/v1/worker/worker_base.py::WorkerWrapperBase.init_worker) and called through
+`collective_rpc("kmesh_attach")`.
 """
 
 import json

@@ -4,10 +4,10 @@ finished requests' generated rows as output segments for later recoveries (`keep
 blocks are freed once it has read them). It never claims or commits; see metadata.py.
 
 Recovery runs KMesh's layerwise executor on vLLM's own loaded model. vLLM hands a connector no
-model, so it is attached from outside: the worker extension (kmesh/vllm/worker_extension.py,
-vLLM's `worker_extension_cls`) passes the worker's model in when the caller runs
-`collective_rpc("kmesh_attach")` (kmesh.vllm.config.attach does). Until then, or when recovery
-fails, the claimed blocks are reported as load errors and vLLM computes them itself. Recovery runs
+model, so it is attached from outside: KMesh's worker class (kmesh/vllm/worker.py, vLLM's
+`worker_cls`) passes the worker's model in at startup, through `kmesh_attach`
+(kmesh/vllm/worker_extension.py). Without it, or when recovery fails, the claimed blocks are
+reported as load errors and vLLM computes them itself. Recovery runs
 on CPU in the KV cache's dtype, float32 or bfloat16 (the engine's `dtype`); another platform or
 dtype is refused the same way.
 """
@@ -119,8 +119,9 @@ class WorkerSide:
         try:
             if self._recovery is None or pages is None:
                 raise RuntimeError(
-                    "no model attached for recovery: run collective_rpc('kmesh_attach') "
-                    "(kmesh.vllm.config.attach) after starting the engine"
+                    "no model attached for recovery: start vLLM with worker_cls "
+                    "kmesh.vllm.worker.KMeshWorker (--worker-cls), or call "
+                    "collective_rpc('kmesh_attach') after starting it"
                 )
             self._check_recoverable(self._recovery.executor.dtype)
             unloaded = [job for job in jobs if self._prefix_unloaded(job)]
