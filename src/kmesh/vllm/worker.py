@@ -11,10 +11,9 @@ KMeshConnector. With another connector, or none, it is vLLM's worker unchanged.
 from typing import Any
 
 from vllm.platforms import current_platform
+from vllm.v1.worker.gpu_worker import Worker
 
 from kmesh.vllm.worker_extension import KMeshWorkerExtension
-
-from vllm.v1.worker.gpu_worker import Worker
 
 PlatformWorker: type[Worker] = Worker
 if current_platform.is_cpu():
