@@ -575,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     family.set_defaults(func=_bench_vllm_family)
 
     cli_lora.add_commands(commands, benches)
+    commands.add_parser(
+        "vllm", help="vLLM's own command line from this install: kmesh vllm serve|bench serve ..."
+    )  # main() hands `kmesh vllm ...` to kmesh.cli_vllm before parsing
 
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat) until SIGTERM/SIGINT"
@@ -613,6 +616,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["vllm"]:  # vLLM's own command line, its arguments untouched
+        from kmesh.cli_vllm import run_vllm
+
+        return run_vllm(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -338,6 +338,23 @@ def test_every_request_gets_an_access_line(client, caplog):
     assert failed.startswith("POST /v1/completions 400 n must be 1")
 
 
+def test_metrics_count_what_the_server_answered(client):
+    before = client.get("/metrics").text
+    complete(client, prompt="Metrics, please", max_tokens=3)
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+
+    def value(text, line_start):
+        lines = [line for line in text.splitlines() if line.startswith(line_start)]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    served = 'kmesh_requests_total{route="POST /v1/completions",status="200"}'
+    assert value(response.text, served) == value(before, served) + 1
+    generated = 'kmesh_tokens_total{kind="generation"}'
+    assert value(response.text, generated) == value(before, generated) + 3
+
+
 def test_an_unknown_route_gets_an_openai_error(client):
     response = client.get("/v1/engines")
     assert response.status_code == 404

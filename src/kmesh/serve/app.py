@@ -1,4 +1,5 @@
-"""The HTTP side of `kmesh serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions.
+"""The HTTP side of `kmesh serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions,
+and Prometheus's /metrics (kmesh/serve/metrics.py).
 
 Every response carries a top-level `kmesh` object (a stream: on its last content chunk):
 prompt_tokens, computed_tokens, reused_tokens (local prefix cache), restored_tokens (external
@@ -8,7 +9,8 @@ in OpenAI's shape: a last chunk with no choices, before `data: [DONE]`.
 A caller's mistake gets HTTP 400 in OpenAI's error shape with a message that says what to change;
 anything else gets 500 and a traceback in the server's log only. Fields the server does not know
 are ignored and logged, as vLLM's server does (`strict_fields`: refused with a 400). Each request
-gets one line in the `kmesh.serve.access` log: status, then tokens and reuse, or the error.
+gets one line in the `kmesh.serve.access` log: status, then tokens and reuse, or the error; and
+is counted in /metrics.
 """
 
 import json
@@ -28,6 +30,7 @@ from kmesh.errors import KMeshError
 from kmesh.serve.backend import Backend, Delta, GenerationJob
 from kmesh.serve.detokenizer import IncrementalDecoder
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
+from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kmesh.serve.schema import (
     CHAT,
     COMPLETION,
@@ -45,7 +48,7 @@ logger = logging.getLogger(__name__)
 access = logging.getLogger("kmesh.serve.access")
 
 INTERNAL_ERROR = "internal server error (the server's log has the details); retry or report it"
-ROUTES = "GET /v1/models, POST /v1/completions and POST /v1/chat/completions"
+ROUTES = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions and GET /metrics"
 # A union alternative's place in an error's loc (like "str" or "list[TextPart]"), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool)$|\[")
 # The counts in a served request's access line.
@@ -76,6 +79,7 @@ def create_app(
             await backend.close()
 
     app = FastAPI(title="kmesh serve", lifespan=lifespan)
+    app.state.metrics = ServeMetrics()
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(KMeshError, _refused)
@@ -86,16 +90,20 @@ def create_app(
         model = {"id": backend.model_id, "object": "model", "created": 0, "owned_by": "kmesh"}
         return {"object": "list", "data": [model]}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         _unknown(body, strict_fields)
         job = completion_job(body, backend)
-        return await _respond(backend, job, COMPLETION, body, _route(request))
+        return await _respond(backend, job, COMPLETION, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         _unknown(body, strict_fields)
-        return await _respond(backend, chat_job(body, backend), CHAT, body, _route(request))
+        return await _respond(backend, chat_job(body, backend), CHAT, body, request)
 
     return app
 
@@ -118,8 +126,13 @@ def _route(request: Request) -> str:
 
 
 async def _respond(
-    backend: Backend, job: GenerationJob, shape: ResponseShape, body: GenerationRequest, route: str
+    backend: Backend,
+    job: GenerationJob,
+    shape: ResponseShape,
+    body: GenerationRequest,
+    request: Request,
 ) -> Response:
+    route, metrics = _route(request), request.app.state.metrics
     builder = ResponseBuilder.new(shape, backend.model_id)
     decoder = IncrementalDecoder(backend.tokenizer)
     started = time.perf_counter()
@@ -135,7 +148,7 @@ async def _respond(
             decoder,
             (first, deltas),
             include_usage,
-            lambda totals: _log_done(route, totals, started),
+            lambda totals: _done(metrics, route, totals, started),
         )
         return StreamingResponse(events, media_type="text/event-stream")
     last = Delta(())
@@ -143,16 +156,21 @@ async def _respond(
         async for last in deltas:
             decoder.add(last.token_ids)
     totals = _totals(backend, job, last, decoder)
-    _log_done(route, totals, started)
+    _done(metrics, route, totals, started)
     return JSONResponse(builder.response(decoder.take_rest(), _finish_reason(last), **totals))
 
 
-def _log_done(route: str, totals: dict[str, Any], started: float) -> None:
-    """A served request's access line: its tokens and reuse (none after a failed stream)."""
+def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: float) -> None:
+    """A served request's access line and metrics: its tokens and reuse (none after a failed
+    stream)."""
     stats = {**totals.get("kmesh", {}), **totals.get("usage", {})}
     counts = " ".join(f"{name}={stats[name]}" for name in _LOGGED if name in stats)
     seconds = time.perf_counter() - started
     access.info("%s 200 %s %.3fs", route, counts or "(failed mid-stream)", seconds)
+    if stats:
+        metrics.served(route, stats, seconds)
+    else:
+        metrics.refused(route, 500)
 
 
 async def _events(
@@ -246,6 +264,7 @@ def _error(
     kind: str = "invalid_request_error",
 ) -> JSONResponse:
     access.info("%s %d %s", _route(request), status, message)
+    request.app.state.metrics.refused(_route(request), status)
     return JSONResponse(error_body(message, param, kind), status_code=status)
 
 

