@@ -221,7 +221,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0"),
     ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
     ({"prompt": "x", "n": 2}, "n must be 1"),
-    ({"prompt": "x", "stop": ["\n"]}, "stop is not supported"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop takes at most 4 non-empty"),
+    ({"prompt": "x", "stop": [""]}, "stop takes at most 4 non-empty"),
     ({"prompt": "x", "logprobs": 2}, "log-probabilities are not returned yet"),
     ({"prompt": "x", "top_logprobs": 2}, "log-probabilities are not returned yet"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "only plain text"),
@@ -308,6 +309,18 @@ def test_fields_openai_clients_send_are_served(client):
         json={"messages": messages, "max_tokens": 4, "temperature": 0, "temperature2": 1},
     )
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("stop", [", 6", [", 6", "never"]])
+def test_a_stop_string_ends_the_text_before_it(client, stop):
+    prompt = "Count: 1, 2, 3,"  # greedy: " 4, 5, 6, 7," (test_penalties_change_what_greedy_picks)
+    body = complete(client, prompt=prompt, max_tokens=12, stop=stop)
+    [choice] = body["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (" 4, 5", "stop")
+    assert body["usage"]["completion_tokens"] < 12  # generation ended there too
+    chunks = stream(client, "/v1/completions", prompt=prompt, max_tokens=12, stop=stop)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " 4, 5"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_penalties_change_what_greedy_picks(client):

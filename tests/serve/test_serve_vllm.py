@@ -68,6 +68,21 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
                 stream_options={"include_usage": True},
             )
             results[f"{engine}-chat"] = [chunk.to_dict() for chunk in chunks]
+            # OpenAI conventions: a stop string, penalties, a speaker's name, an unknown field.
+            results[f"{engine}-conventions"] = [
+                client.completions.create(
+                    model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0, stop=", 6"
+                ).to_dict(),
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{**CHAT[0], "name": "alice"}],
+                    max_tokens=12,
+                    temperature=0,
+                    presence_penalty=1.5,
+                    frequency_penalty=0.5,
+                    extra_body={"repetition_penalty": 1.2, "top_k": -1},
+                ).to_dict(),
+            ]
         finally:
             log = server.stop()
         assert "Traceback" not in log, log[-5000:]
@@ -104,6 +119,14 @@ def test_later_family_members_reuse_the_trunk(answers, engine):
     reused = [response["kmesh"]["reused_tokens"] for response in answers[engine]]
     assert reused[0] == 0
     assert all(n > 0 for n in reused[1:]), reused
+
+
+def test_both_engines_honour_stop_strings_and_penalties_alike(answers):
+    stopped, penalized = answers["vllm-conventions"]
+    assert stopped["choices"][0]["text"] == " 4, 5"
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    reference = answers["reference-conventions"]
+    assert [r["choices"][0] for r in reference] == [stopped["choices"][0], penalized["choices"][0]]
 
 
 def test_both_engines_stream_the_same_chat(answers):

@@ -11,7 +11,7 @@ they may share is engine/adapters.py's rule.
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from kmesh.engine.runner import ModelRunner
 from kmesh.engine.sampler import sample
 from kmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kmesh.engine.sequence import Sequence
+from kmesh.engine.stop_strings import first_stop
 from kmesh.engine.store_link import StoreLink
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.kv_cache import PagedKVCache
@@ -68,7 +69,9 @@ class Engine:
         prefix_caching: bool = True,
         store: str | None = None,
         adapters: Iterable[LoraAdapter] = (),
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
+        """`decode`: token ids to text (the tokenizer's), for requests with stop strings."""
         if block_size < 1 or kv_cache_tokens < block_size:
             raise InvalidRequestError(
                 f"block_size ({block_size}) must be >= 1 and kv_cache_tokens "
@@ -76,6 +79,7 @@ class Engine:
             )
         self.executor = executor
         self.config = executor.config
+        self.decode = decode
         self.adapters = Adapters(adapters)
         num_blocks = blocks_for(kv_cache_tokens, block_size)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, executor.dtype)
@@ -236,6 +240,11 @@ class Engine:
                 f"trunk {request.request_id!r} has another tenant salt than branches already "
                 "sent for it: state never crosses tenants"
             )
+        if request.params is not None and request.params.stop and self.decode is None:
+            raise InvalidRequestError(
+                "stop strings need an engine that decodes: construct Engine(decode=...) with "
+                "the tokenizer's decode (LLM and kmesh serve do)"
+            )
         if request.params is None and not request.retain:
             raise InvalidRequestError(
                 f"request {request.request_id!r} samples nothing (params=None): only a retained "
@@ -322,6 +331,9 @@ class Engine:
             self.config.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         )
         if seq.token_ids[-1] in stop_ids:
+            return "stop"
+        decode = self.decode
+        if params.stop and decode and first_stop(decode(seq.output_ids), params.stop) is not None:
             return "stop"
         if len(seq.output_ids) >= params.max_tokens:
             return "length"

@@ -36,7 +36,12 @@ class LLM:
     def __init__(self, model: str | Path | LoadedModel | None = None, **engine_options: Any):
         self.model = model if isinstance(model, LoadedModel) else load_model(model)
         self.tokenizer = self.model.tokenizer
-        self.engine = Engine(self.model.executor, self.model.fingerprint, **engine_options)
+        self.engine = Engine(
+            self.model.executor,
+            self.model.fingerprint,
+            decode=self.tokenizer.decode,
+            **engine_options,
+        )
         self._next_id = 0
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:

@@ -20,6 +20,9 @@ class SamplingParams:
     # Generation ends after any of these tokens (it is kept in the output). None: the model's
     # end-of-sequence tokens; (): never stop early.
     stop_token_ids: tuple[int, ...] | None = None
+    # Generation ends once its text holds one of these (engine/stop_strings.py); it needs an
+    # engine that can decode (Engine(decode=...)).
+    stop: tuple[str, ...] = ()
     # vLLM's penalties (engine/sampler.py); neutral by default.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

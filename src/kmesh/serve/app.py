@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from kmesh.engine.stop_strings import StopFilter
 from kmesh.errors import KMeshError
 from kmesh.serve.backend import Backend, Delta, GenerationJob
 from kmesh.serve.detokenizer import IncrementalDecoder
@@ -157,7 +158,10 @@ async def _respond(
             decoder.add(last.token_ids)
     totals = _totals(backend, job, last, decoder)
     _done(metrics, route, totals, started)
-    return JSONResponse(builder.response(decoder.take_rest(), _finish_reason(last), **totals))
+    text = StopFilter(job.stop)
+    whole = text.feed(decoder.take_rest()) + text.flush()
+    reason = "stop" if text.stopped else _finish_reason(last)
+    return JSONResponse(builder.response(whole, reason, **totals))
 
 
 def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: float) -> None:
@@ -188,6 +192,7 @@ async def _events(
     chunk. `done` gets the totals (none after a failure) once the stream ends."""
     first, deltas = deltas_from
     totals: dict[str, Any] = {}
+    stop = StopFilter(job.stop)
     async with aclosing(deltas):
         try:
             opening = builder.opening_chunk()
@@ -196,14 +201,15 @@ async def _events(
             delta = first
             while delta.finish_reason is None:
                 decoder.add(delta.token_ids)
-                text = decoder.take_complete()
+                text = stop.feed(decoder.take_complete())
                 if text:
                     yield _event(builder.chunk(text))
                 delta = await anext(deltas)
             decoder.add(delta.token_ids)
             totals = _totals(backend, job, delta, decoder)
-            rest = decoder.take_rest()
-            yield _event(builder.chunk(rest, delta.finish_reason, kmesh=totals["kmesh"]))
+            rest = stop.feed(decoder.take_rest()) + stop.flush()
+            reason = "stop" if stop.stopped else delta.finish_reason
+            yield _event(builder.chunk(rest, reason, kmesh=totals["kmesh"]))
             if include_usage:
                 yield _event(builder.usage_chunk(totals["usage"]))
         except Exception:

@@ -23,6 +23,9 @@ class GenerationJob:
     kmesh: KMeshParams | None
     # The tenant: state is never shared across salts (None: the shared namespace).
     cache_salt: str | None
+    # Stop strings: the engine ends generation once its text holds one (the app cuts the text
+    # there: kmesh/engine/stop_strings.py).
+    stop: tuple[str, ...] = ()
     # vLLM's sampling penalties (kmesh/engine/sampler.py), neutral by default.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -19,6 +19,7 @@ from kmesh.state.request_meta import (
 )
 
 DEFAULT_COMPLETION_TOKENS = 16
+MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
 class RequestFieldError(InvalidRequestError):
@@ -120,6 +121,11 @@ def kmesh_params(request: GenerationRequest) -> KMeshParams | None:
     return given[0] if given else None
 
 
+def stop_strings(request: GenerationRequest) -> tuple[str, ...]:
+    """The request's `stop`: one string or a list of them."""
+    return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+
+
 def _single_prompt(prompt: str | list[Any] | None) -> str | None:
     if not isinstance(prompt, list):
         return prompt
@@ -143,11 +149,10 @@ def _check_options(request: GenerationRequest, backend: Backend) -> None:
         raise RequestFieldError(
             f"n must be 1 (got {request.n}): send one request per completion", "n"
         )
-    if request.stop:
+    stops = stop_strings(request)
+    if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise RequestFieldError(
-            "stop is not supported: leave it out (generation ends at the model's end-of-sequence "
-            "token or after max_tokens)",
-            "stop",
+            f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {stops!r}", "stop"
         )
     if request.logprobs or request.top_logprobs:
         field = "logprobs" if request.logprobs else "top_logprobs"
@@ -195,4 +200,5 @@ def _job(
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
+        stop=stop_strings(request),
     )

@@ -77,7 +77,13 @@ class ReferenceBackend:
         self.model_id = loaded.path.name
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.config.max_position
-        self._engine = Engine(loaded.executor, loaded.fingerprint, store=store, **engine_options)
+        self._engine = Engine(
+            loaded.executor,
+            loaded.fingerprint,
+            store=store,
+            decode=loaded.tokenizer.decode,
+            **engine_options,
+        )
         # Requests to add, or None to stop the thread.
         self._inbox: queue.SimpleQueue[tuple[Request, Post] | None] = queue.SimpleQueue()
         self._request_ids = itertools.count()
@@ -103,6 +109,7 @@ class ReferenceBackend:
             presence_penalty=job.presence_penalty,
             frequency_penalty=job.frequency_penalty,
             repetition_penalty=job.repetition_penalty,
+            stop=job.stop,
         )
         request_id = f"serve-{next(self._request_ids)}"
         request = Request(

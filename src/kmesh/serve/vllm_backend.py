@@ -63,6 +63,7 @@ class VLLMBackend:
             presence_penalty=job.presence_penalty,
             frequency_penalty=job.frequency_penalty,
             repetition_penalty=job.repetition_penalty,
+            stop=list(job.stop),
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,
         )
