@@ -11,6 +11,7 @@ from kmesh.engine.request import Request, SamplingParams
 from kmesh.recovery.jobs import RecoveryRequest, spans_of
 from kmesh.serve.app import create_app
 from kmesh.serve.backend import Delta, GenerationJob
+from kmesh.serve.jobs import message_segments
 from kmesh.serve.reference_backend import ReferenceBackend
 from kmesh.state.request_meta import parse_kmesh_params, segment_spans
 
@@ -512,3 +513,75 @@ def test_a_kept_output_is_reported_as_vllms_connector_reports_it(client):
     assert body["kmesh"]["kept_output_tokens"] == body["usage"]["completion_tokens"] - 1
     plain = complete(client, prompt="Once upon a time", max_tokens=6)
     assert "kept_output_tokens" not in plain["kmesh"]
+
+
+NOTES = [
+    "The north bridge needs new planks before the spring floods.",
+    "Salt costs twice what it did last year at the southern market.",
+    "The mill's wheel was repaired in autumn and turns well again.",
+]
+
+
+def council_chat(order: list[int]) -> tuple[list[dict], list[dict]]:
+    """A chat whose notes come in `order`, and its message declarations."""
+    messages = [{"role": "system", "content": "You are the council's scribe."}]
+    messages += [{"role": "user", "content": NOTES[i]} for i in order]
+    messages.append({"role": "user", "content": "Which note matters most? Answer briefly."})
+    declared = [{"id": "scribe", "role": "shared"}]
+    declared += [{"id": f"note-{i}", "role": "shared"} for i in order]
+    declared.append({"role": "instruction"})
+    return messages, declared
+
+
+def test_a_chat_declaring_its_messages_is_recovered_as_its_completions_twin(client, backend):
+    recovery = {"policy": "kv_deviation", "ratio": 0.25, "gate": None}
+    answers = {}
+    for route in ("chat", "completions"):
+        salt = f"kmesh-approx:twins-{route}"
+        for order in ([0, 1, 2], [2, 0, 1]):  # the second reuses the first's stored notes
+            messages, declared = council_chat(order)
+            kmesh = {"messages": declared, "recovery": recovery}
+            body = {"max_tokens": 8, "temperature": 0, "cache_salt": salt}
+            if route == "chat":
+                response = client.post(
+                    "/v1/chat/completions", json={**body, "messages": messages, "kmesh": kmesh}
+                )
+                assert response.status_code == 200, response.text
+                text = response.json()["choices"][0]["message"]["content"]
+            else:
+                twin = message_segments(parse_kmesh_params(kmesh), messages, backend.tokenizer)
+                segments = [s.model_dump(exclude_none=True) for s in twin.segments or []]
+                kmesh = {"segments": segments, "recovery": recovery}
+                response = client.post(
+                    "/v1/completions", json={**body, "prompt": "", "kmesh": kmesh}
+                )
+                assert response.status_code == 200, response.text
+                text = response.json()["choices"][0]["text"]
+            answers[(route, tuple(order))] = (text, response.json()["kmesh"])
+    for order in ((0, 1, 2), (2, 0, 1)):
+        chat_text, chat_stats = answers[("chat", order)]
+        completion_text, completion_stats = answers[("completions", order)]
+        assert chat_text == completion_text
+        for name in ("prompt_tokens", "computed_tokens", "recovered_tokens"):
+            assert chat_stats[name] == completion_stats[name], name
+    assert answers[("chat", (2, 0, 1))][1]["recovery"]["reused_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kmesh", "message"),
+    [
+        ({"messages": [{"id": "a"}]}, "declares 1 messages but the request has 2"),
+        ({"messages": [{}, {}], "segments": [{"text": "x"}]}, "give one of 'segments'"),
+        (
+            {
+                "family": "f",
+                "messages": [{}, {}],
+                "recovery": {"round": {"id": "r", "segments": ["z"]}},
+            },
+            "names unknown segment ids ['z']",
+        ),
+    ],
+)
+def test_a_bad_message_declaration_is_a_400_that_says_what_is_wrong(client, kmesh, message):
+    chat = {"messages": [CHAT[0], CHAT[0]], "kmesh": kmesh}
+    assert message in refused(client, chat, "/v1/chat/completions")["message"]

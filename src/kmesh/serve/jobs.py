@@ -7,12 +7,15 @@ message that says what to change.
 from typing import Any
 
 from kmesh.engine.llm import chat_prompt_ids, check_prompt_text
-from kmesh.errors import InvalidRequestError
+from kmesh.errors import ContractError, InvalidRequestError
 from kmesh.serve.backend import Backend, GenerationJob
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from kmesh.state import chat_codec
 from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
     KMeshParams,
+    MessageSpec,
+    SegmentSpec,
     encode_segments,
     parse_kmesh_params,
     with_separated_segments,
@@ -36,6 +39,11 @@ def completion_job(request: CompletionRequest, backend: Backend) -> GenerationJo
     _check_options(request, backend)
     kmesh = kmesh_params(request)
     prompt = _single_prompt(request.prompt)
+    if kmesh is not None and kmesh.messages is not None:
+        raise RequestFieldError(
+            "kmesh.messages is taken on chat completions only: send kmesh.segments here",
+            "kmesh.messages",
+        )
     if kmesh is not None and kmesh.separator is not None:
         try:
             kmesh = with_separated_segments(kmesh, prompt)
@@ -63,7 +71,10 @@ def completion_job(request: CompletionRequest, backend: Backend) -> GenerationJo
 
 
 def chat_job(request: ChatCompletionRequest, backend: Backend) -> GenerationJob:
-    """The job of a /v1/chat/completions body: the messages in the model's chat template."""
+    """The job of a /v1/chat/completions body: the messages in the model's chat template. With a
+    kmesh object, each message is a segment (kmesh/state/chat_codec.py: the text the template
+    adds for it, tokenized on its own), as `kmesh.messages` declares it, and the request is
+    served as a completions request with those segments would be."""
     _check_options(request, backend)
     kmesh = kmesh_params(request)
     if kmesh is not None and (kmesh.segments is not None or kmesh.separator is not None):
@@ -89,9 +100,56 @@ def chat_job(request: ChatCompletionRequest, backend: Backend) -> GenerationJob:
         {"role": m.role, "content": m.text, **({} if m.name is None else {"name": m.name})}
         for m in request.messages
     ]
-    prompt_ids = chat_prompt_ids(backend.tokenizer, messages)
+    if kmesh is None:
+        prompt_ids = chat_prompt_ids(backend.tokenizer, messages)
+    else:
+        kmesh = message_segments(kmesh, messages, backend.tokenizer)
+        prompt_ids, _ = encode_segments(backend.tokenizer, kmesh)
     max_tokens = request.max_completion_tokens or request.max_tokens or backend.max_model_len
     return _job(request, backend, prompt_ids, max_tokens, kmesh, "messages")
+
+
+def message_segments(
+    kmesh: KMeshParams, messages: list[dict[str, str]], tokenizer: Any
+) -> KMeshParams:
+    """`kmesh` with one token-id segment per chat message (its declared id and role), then the
+    generation prompt as the instruction."""
+    declared: list[MessageSpec | None] = [None] * len(messages)
+    if kmesh.messages is not None:
+        declared = list(kmesh.messages)
+    if len(declared) != len(messages):
+        raise RequestFieldError(
+            f"kmesh.messages declares {len(declared)} messages but the request has "
+            f"{len(messages)}: give one entry per message, in order ({{}} for one without a "
+            "declaration)",
+            "kmesh.messages",
+        )
+    chat = []
+    for message, spec in zip(messages, declared, strict=True):
+        entry: dict[str, Any] = dict(message)
+        if spec is not None and spec.id is not None:
+            entry["id"] = spec.id
+        if spec is not None and spec.role is not None:
+            entry["kmesh_role"] = spec.role
+        chat.append(entry)
+
+    def render(plain: list[dict[str, str]], generation: bool) -> str:
+        return str(
+            tokenizer.apply_chat_template(plain, add_generation_prompt=generation, tokenize=False)
+        )
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    try:
+        prompt = chat_codec.decode(chat, render, tokenize)
+    except ContractError as error:
+        raise RequestFieldError(f"kmesh: {error}", "kmesh.messages") from None
+    segments = [
+        SegmentSpec(token_ids=list(s.token_ids), role=s.role.value, id=s.segment_id)
+        for s in prompt.segments
+    ]
+    return kmesh.model_copy(update={"segments": segments, "messages": None})
 
 
 def kmesh_params(request: GenerationRequest) -> KMeshParams | None:

@@ -53,6 +53,18 @@ class SegmentSpec(BaseModel):
         return self
 
 
+class MessageSpec(BaseModel):
+    """What a chat request declares for one of its messages (`kmesh.messages`, one per message,
+    in order; kmesh serve only): its segment id and role. The message is the segment: the text
+    its chat template adds for it (kmesh/state/chat_codec.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    # Default: system messages shared, the others private.
+    role: Literal["shared", "private", "instruction"] | None = None
+
+
 class RoundSpec(BaseModel):
     """An All-Gather round: the siblings that read the same outputs name the same round id and
     list the ids of the round's output segments (canonical order). KMeshConnector recovers those
@@ -103,6 +115,8 @@ class KMeshParams(BaseModel):
     branches: int | None = Field(default=None, ge=1)
     close: bool = False
     segments: list[SegmentSpec] | None = Field(default=None, min_length=1)
+    # A chat request's messages as its segments (kmesh serve turns them into `segments`).
+    messages: list[MessageSpec] | None = Field(default=None, min_length=1)
     # The separator codec instead of segments: the prompt text is split at this string (CacheBlend
     # style; every part shared but the last, the instruction). See with_separated_segments.
     separator: str | None = Field(default=None, min_length=1)
@@ -115,13 +129,14 @@ class KMeshParams(BaseModel):
     def _check_references(self) -> "KMeshParams":
         if self.family is None and (self.branches is not None or self.close):
             raise ValueError("'branches' and 'close' need a 'family'")
-        if self.separator is not None and self.segments is not None:
-            raise ValueError("give 'segments' or 'separator', not both")
+        given = [n for n in ("segments", "separator", "messages") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of 'segments', 'separator' and 'messages', not {given}")
         round_ = None if self.recovery is None else self.recovery.round
         if round_ is not None:
             if self.family is None:
                 raise ValueError("a recovery round needs a 'family' (its rounds share a context)")
-            ids = {s.id for s in self.segments or []}
+            ids = {s.id for s in self.segments or []} | {m.id for m in self.messages or []}
             missing = [i for i in round_.segments if i not in ids]
             if missing:
                 raise ValueError(f"recovery.round.segments names unknown segment ids {missing}")
