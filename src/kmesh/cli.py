@@ -80,7 +80,12 @@ def _serve(args: argparse.Namespace) -> None:
     access = logging.getLogger("kmesh.serve")  # the access lines and ignored fields, on stderr
     access.setLevel(logging.INFO)
     access.addHandler(logging.StreamHandler())
-    app = create_app(backend, on_ready=ready, strict_fields=args.strict_fields)
+    app = create_app(
+        backend,
+        on_ready=ready,
+        strict_fields=args.strict_fields,
+        reuse_messages=args.reuse_messages,
+    )
     config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])
 
@@ -590,6 +595,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict-fields",
         action="store_true",
         help="refuse request fields the server does not know (default: ignore and log them)",
+    )
+    serve.add_argument(
+        "--reuse-messages",
+        action="store_true",
+        help="approximate: a chat without a kmesh object, under a cache_salt starting with "
+        "kmesh-approx, reuses any message another request of that tenant computed",
     )
     serve.add_argument(
         "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"

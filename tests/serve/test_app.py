@@ -585,3 +585,28 @@ def test_a_chat_declaring_its_messages_is_recovered_as_its_completions_twin(clie
 def test_a_bad_message_declaration_is_a_400_that_says_what_is_wrong(client, kmesh, message):
     chat = {"messages": [CHAT[0], CHAT[0]], "kmesh": kmesh}
     assert message in refused(client, chat, "/v1/chat/completions")["message"]
+
+
+def test_reuse_messages_reuses_another_requests_messages_under_an_approximate_salt_only(
+    real_model,
+):
+    backend = ReferenceBackend(real_model, kv_cache_tokens=4096)
+    with TestClient(create_app(backend, reuse_messages=True)) as server:
+
+        def chat(order, salt):
+            messages, _ = council_chat(order)  # no declarations sent
+            body = {"messages": messages, "max_tokens": 4, "temperature": 0, "cache_salt": salt}
+            response = server.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["kmesh"]
+
+        for salt in ("kmesh-approx:agents", "exact-tenant"):
+            chat([0, 1, 2], salt)
+            stats = chat([2, 1, 0], salt)  # the same notes elsewhere: no prefix hit past the system
+            if salt.startswith("kmesh-approx"):
+                assert stats["recovery"]["reused_tokens"] > 0
+                assert stats["computed_tokens"] + stats["recovery"]["computed_tokens"] < (
+                    stats["prompt_tokens"] - stats["reused_tokens"]
+                )
+            else:
+                assert "recovery" not in stats and stats["recovered_tokens"] == 0

@@ -64,10 +64,15 @@ _LOGGED = (
 
 
 def create_app(
-    backend: Backend, on_ready: Callable[[], None] | None = None, strict_fields: bool = False
+    backend: Backend,
+    on_ready: Callable[[], None] | None = None,
+    strict_fields: bool = False,
+    reuse_messages: bool = False,
 ) -> FastAPI:
     """The server's app; it starts the backend on startup (then calls `on_ready`) and closes
-    it on shutdown. `strict_fields`: refuse unknown fields instead of ignoring them."""
+    it on shutdown. `strict_fields`: refuse unknown fields instead of ignoring them.
+    `reuse_messages`: approximate reuse of chat messages without declarations, under
+    approximate salts only (kmesh/serve/jobs.py::chat_job)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,7 +109,8 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         _unknown(body, strict_fields)
-        return await _respond(backend, chat_job(body, backend), CHAT, body, request)
+        job = chat_job(body, backend, reuse_messages)
+        return await _respond(backend, job, CHAT, body, request)
 
     return app
 
@@ -169,6 +175,10 @@ def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: fl
     stream)."""
     stats = {**totals.get("kmesh", {}), **totals.get("usage", {})}
     counts = " ".join(f"{name}={stats[name]}" for name in _LOGGED if name in stats)
+    recovery = stats.get("recovery")
+    if isinstance(recovery, dict) and "computed_tokens" in recovery:  # what recovered rows cost
+        counts += f" recovery_computed={recovery['computed_tokens']:g}"
+        counts += f" recovery_reused={recovery['reused_tokens']}"
     seconds = time.perf_counter() - started
     access.info("%s 200 %s %.3fs", route, counts or "(failed mid-stream)", seconds)
     if stats:

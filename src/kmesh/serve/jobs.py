@@ -12,9 +12,11 @@ from kmesh.serve.backend import Backend, GenerationJob
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from kmesh.state import chat_codec
 from kmesh.state.request_meta import (
+    APPROX_SALT_PREFIX,
     KMESH_PARAMS_KEY,
     KMeshParams,
     MessageSpec,
+    RecoverySpec,
     SegmentSpec,
     encode_segments,
     parse_kmesh_params,
@@ -22,6 +24,8 @@ from kmesh.state.request_meta import (
 )
 
 DEFAULT_COMPLETION_TOKENS = 16
+# The recovery `kmesh serve --reuse-messages` gives undeclared chats under approximate salts.
+REUSE_MESSAGES = RecoverySpec(policy="kv_deviation")
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
@@ -70,13 +74,25 @@ def completion_job(request: CompletionRequest, backend: Backend) -> GenerationJo
     return _job(request, backend, prompt_ids, max_tokens, kmesh, "prompt")
 
 
-def chat_job(request: ChatCompletionRequest, backend: Backend) -> GenerationJob:
+def chat_job(
+    request: ChatCompletionRequest, backend: Backend, reuse_messages: bool = False
+) -> GenerationJob:
     """The job of a /v1/chat/completions body: the messages in the model's chat template. With a
     kmesh object, each message is a segment (kmesh/state/chat_codec.py: the text the template
     adds for it, tokenized on its own), as `kmesh.messages` declares it, and the request is
-    served as a completions request with those segments would be."""
+    served as a completions request with those segments would be. `reuse_messages`: a chat with
+    no kmesh object under an approximate salt gets REUSE_MESSAGES (every message but the last
+    shared, per-request recovery: any message another request of the tenant computed, or
+    generated, is reused)."""
     _check_options(request, backend)
     kmesh = kmesh_params(request)
+    if kmesh is None and reuse_messages and _approximate(request.cache_salt):
+        shared = [MessageSpec(role="shared")] * (len(request.messages) - 1)
+        kmesh = KMeshParams(
+            messages=[*shared, MessageSpec(role="private")],
+            recovery=REUSE_MESSAGES,
+            keep_output=True,  # its answer, read back in later chats, is reused as its author's
+        )
     if kmesh is not None and (kmesh.segments is not None or kmesh.separator is not None):
         name = "segments" if kmesh.segments is not None else "separator"
         raise RequestFieldError(
@@ -177,6 +193,10 @@ def kmesh_params(request: GenerationRequest) -> KMeshParams | None:
             "kv_transfer_params",
         )
     return given[0] if given else None
+
+
+def _approximate(cache_salt: str | None) -> bool:
+    return (cache_salt or "").startswith(APPROX_SALT_PREFIX)
 
 
 def stop_strings(request: GenerationRequest) -> tuple[str, ...]:
