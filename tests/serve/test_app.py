@@ -221,7 +221,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "temperature": -1}, "temperature: Input should be greater than or equal"),
     ({"prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0"),
     ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
-    ({"prompt": "x", "n": 2}, "n must be 1"),
+    ({"prompt": "x", "n": 17}, "n must be between 1 and 16"),
+    ({"prompt": "x", "n": 2, "stream": True}, "n > 1 is not streamed yet"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop takes at most 4 non-empty"),
     ({"prompt": "x", "stop": [""]}, "stop takes at most 4 non-empty"),
     ({"prompt": "x", "logprobs": 2}, "log-probabilities are not returned yet"),
@@ -324,6 +325,20 @@ def test_a_stop_string_ends_the_text_before_it(client, stop):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_n_completions_share_the_prompts_blocks(client):
+    body = complete(client, prompt=SHARED, max_tokens=6, temperature=0.9, seed=3, n=3)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in body["choices"]}) > 1  # seeds 3, 4, 5
+    assert body["usage"]["completion_tokens"] == 18
+    stats = body["kmesh"]
+    assert stats["branches"] == 3
+    assert stats["prompt_tokens"] == 3 * body["usage"]["prompt_tokens"]
+    full_blocks = (body["usage"]["prompt_tokens"] - 1) // 16 * 16
+    assert stats["reused_tokens"] >= 2 * full_blocks  # the second and third reuse the first's
+    alone = complete(client, prompt=SHARED, max_tokens=6, temperature=0.9, seed=3)
+    assert alone["choices"][0]["text"] == body["choices"][0]["text"]
+
+
 def test_penalties_change_what_greedy_picks(client):
     prompt = "Count: 1, 2, 3,"
     plain = complete(client, prompt=prompt, max_tokens=12)["choices"][0]["text"]
@@ -345,11 +360,11 @@ def test_a_strict_server_refuses_unknown_fields_and_names_them(real_model):
 def test_every_request_gets_an_access_line(client, caplog):
     with caplog.at_level("INFO", logger="kmesh.serve.access"):
         complete(client, prompt="Hello", max_tokens=2)
-        refused(client, {"prompt": "x", "n": 2})
+        refused(client, {"prompt": "x", "n": 17})
     served, failed = [r.getMessage() for r in caplog.records if r.name == "kmesh.serve.access"]
     assert served.startswith("POST /v1/completions 200 prompt_tokens=")
     assert "completion_tokens=2" in served and "computed_tokens=" in served
-    assert failed.startswith("POST /v1/completions 400 n must be 1")
+    assert failed.startswith("POST /v1/completions 400 n must be between 1 and 16")
 
 
 def test_metrics_count_what_the_server_answered(client):

@@ -73,7 +73,7 @@ def test_a_separated_prompt_becomes_explicit_segments(small_context):
     ("prompt", "kmesh", "wrong"),
     [
         ("A # #  # # B", {"separator": " # # "}, "empty"),  # two separators in a row
-        ("A # # B", {"separator": " # # ", "segments": [{"text": "A"}]}, "not both"),
+        ("A # # B", {"separator": " # # ", "segments": [{"text": "A"}]}, "give one of"),
     ],
 )
 def test_a_bad_separated_prompt_is_refused_with_the_reason(small_context, prompt, kmesh, wrong):

@@ -79,8 +79,8 @@ def test_a_streamed_chat_through_the_openai_client(server):
 
 def test_a_bad_request_raises_the_clients_bad_request_error(server):
     client = server.client()
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be between 1 and 16"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", n=17)
     answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=1)
     assert answer.usage.completion_tokens == 1
 

@@ -13,12 +13,14 @@ gets one line in the `kmesh.serve.access` log: status, then tokens and reuse, or
 is counted in /metrics.
 """
 
+import asyncio
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,6 +54,14 @@ INTERNAL_ERROR = "internal server error (the server's log has the details); retr
 ROUTES = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions and GET /metrics"
 # A union alternative's place in an error's loc (like "str" or "list[TextPart]"), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool)$|\[")
+# Stats summed over a request's choices (n > 1).
+_SUMMED = (
+    "prompt_tokens",
+    "computed_tokens",
+    "reused_tokens",
+    "restored_tokens",
+    "recovered_tokens",
+)
 # The counts in a served request's access line.
 _LOGGED = (
     "prompt_tokens",
@@ -158,16 +168,61 @@ async def _respond(
             lambda totals: _done(metrics, route, totals, started),
         )
         return StreamingResponse(events, media_type="text/event-stream")
+    branches = await _branches(backend, job, body.n)
+    stats = [branch.last.stats or {} for branch in branches]
+    kmesh = {**stats[0], **{n: sum(s.get(n, 0) for s in stats) for n in _SUMMED if n in stats[0]}}
+    if body.n > 1:
+        kmesh["branches"] = body.n
+    family = None if job.kmesh is None else job.kmesh.family
+    totals = {
+        "usage": usage(len(job.prompt_ids), sum(branch.num_tokens for branch in branches)),
+        "kmesh": {**kmesh, "family": family, "engine": backend.engine},
+    }
+    _done(metrics, route, totals, started)
+    return JSONResponse(builder.response([(b.text, b.finish_reason) for b in branches], **totals))
+
+
+@dataclass(frozen=True, slots=True)
+class _Branch:
+    text: str
+    finish_reason: str
+    last: Delta
+    num_tokens: int
+
+
+async def _branches(backend: Backend, job: GenerationJob, n: int) -> list[_Branch]:
+    """`n` completions of the job (seeds job.seed, +1, ...). The first runs alone until its
+    first token, when its prompt's blocks are in the engine's prefix cache; the others then
+    start and reuse them (each computes its prompt's partial last block)."""
+    first_token = asyncio.Event()
+    first = asyncio.create_task(_branch(backend, job, first_token))
+    if n == 1:
+        return [await first]
+    started = asyncio.create_task(first_token.wait())
+    await asyncio.wait([first, started], return_when=asyncio.FIRST_COMPLETED)
+    started.cancel()
+    if first.done() and first.exception() is not None:
+        await first  # refused before its first token: the request's error
+    seeds = [None if job.seed is None else job.seed + i for i in range(1, n)]
+    others = [_branch(backend, replace(job, seed=seed), None) for seed in seeds]
+    return [await first, *await asyncio.gather(*others)]
+
+
+async def _branch(
+    backend: Backend, job: GenerationJob, first_token: asyncio.Event | None
+) -> _Branch:
+    decoder = IncrementalDecoder(backend.tokenizer)
     last = Delta(())
     async with aclosing(backend.generate(job)) as deltas:
         async for last in deltas:
             decoder.add(last.token_ids)
-    totals = _totals(backend, job, last, decoder)
-    _done(metrics, route, totals, started)
-    text = StopFilter(job.stop)
-    whole = text.feed(decoder.take_rest()) + text.flush()
-    reason = "stop" if text.stopped else _finish_reason(last)
-    return JSONResponse(builder.response(whole, reason, **totals))
+            if first_token is not None:
+                first_token.set()
+    stop = StopFilter(job.stop)
+    text = stop.feed(decoder.take_rest()) + stop.flush()
+    reason = "stop" if stop.stopped else _finish_reason(last)
+    assert last.stats is not None, "a backend ended a job without stats"
+    return _Branch(text, reason, last, decoder.num_tokens)
 
 
 def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: float) -> None:

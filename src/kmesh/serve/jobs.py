@@ -27,6 +27,7 @@ DEFAULT_COMPLETION_TOKENS = 16
 # The recovery `kmesh serve --reuse-messages` gives undeclared chats under approximate salts.
 REUSE_MESSAGES = RecoverySpec(policy="kv_deviation")
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 16  # n
 
 
 class RequestFieldError(InvalidRequestError):
@@ -223,9 +224,15 @@ def _check_options(request: GenerationRequest, backend: Backend) -> None:
             f"{backend.model_id!r} (GET /v1/models); send that or leave model out",
             "model",
         )
-    if request.n != 1:
+    if not 1 <= request.n <= MAX_CHOICES:
         raise RequestFieldError(
-            f"n must be 1 (got {request.n}): send one request per completion", "n"
+            f"n must be between 1 and {MAX_CHOICES} (got {request.n}): send several requests "
+            "for more completions",
+            "n",
+        )
+    if request.n > 1 and request.stream:
+        raise RequestFieldError(
+            "n > 1 is not streamed yet: send stream false, or n separate streamed requests", "n"
         )
     stops = stop_strings(request)
     if len(stops) > MAX_STOP_STRINGS or not all(stops):

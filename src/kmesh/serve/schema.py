@@ -43,7 +43,7 @@ class GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     # Only None or empty: stop strings are not supported.
     stop: str | list[str] | None = None
-    # Only 1.
+    # Completions of one prompt (kmesh.serve.app: its branches share the prompt's prefix).
     n: int = 1
     # vLLM's sampling penalties (kmesh/engine/sampler.py has their definitions).
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -152,13 +152,17 @@ class ResponseBuilder:
     def new(cls, shape: ResponseShape, model: str) -> "ResponseBuilder":
         return cls(shape, model, f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()))
 
-    def response(self, text: str, finish_reason: str, **extra: Any) -> dict[str, Any]:
-        """The whole response; `extra` holds usage and kmesh."""
-        if self.shape.is_chat:
-            content: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
-        else:
-            content = {"text": text}
-        return self._body(self.shape.object, _choice(content, finish_reason), extra)
+    def response(self, choices: list[tuple[str, str]], **extra: Any) -> dict[str, Any]:
+        """The whole response: each choice's text and finish reason; `extra` holds usage and
+        kmesh."""
+        bodies = []
+        for index, (text, finish_reason) in enumerate(choices):
+            if self.shape.is_chat:
+                content: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+            else:
+                content = {"text": text}
+            bodies.append(_choice(content, finish_reason, index))
+        return {**self._body(self.shape.object, None, extra), "choices": bodies}
 
     def opening_chunk(self) -> dict[str, Any] | None:
         """The chunk a stream starts with before any text: chat names the role first."""
@@ -192,5 +196,5 @@ class ResponseBuilder:
         }
 
 
-def _choice(content: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+def _choice(content: dict[str, Any], finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
