@@ -82,6 +82,9 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
                     frequency_penalty=0.5,
                     extra_body={"repetition_penalty": 1.2, "top_k": -1},
                 ).to_dict(),
+                client.completions.create(
+                    model=MODEL, prompt=TRUNK, max_tokens=4, temperature=0, n=3
+                ).to_dict(),
             ]
         finally:
             log = server.stop()
@@ -122,11 +125,21 @@ def test_later_family_members_reuse_the_trunk(answers, engine):
 
 
 def test_both_engines_honour_stop_strings_and_penalties_alike(answers):
-    stopped, penalized = answers["vllm-conventions"]
+    stopped, penalized, _ = answers["vllm-conventions"]
     assert stopped["choices"][0]["text"] == " 4, 5"
     assert stopped["choices"][0]["finish_reason"] == "stop"
-    reference = answers["reference-conventions"]
+    reference = answers["reference-conventions"][:2]
     assert [r["choices"][0] for r in reference] == [stopped["choices"][0], penalized["choices"][0]]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_n_branches_reuse_the_first_ones_prompt_blocks(answers, engine):
+    body = answers[f"{engine}-conventions"][2]
+    texts = [choice["text"] for choice in body["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 1  # greedy: the same completion thrice
+    stats = body["kmesh"]
+    assert stats["branches"] == 3
+    assert stats["reused_tokens"] >= 2 * (body["usage"]["prompt_tokens"] // 32 - 1) * 16
 
 
 def test_both_engines_stream_the_same_chat(answers):
