@@ -89,7 +89,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bytes_axes.set(
         xlabel="agents", ylabel="MiB per agent (shared state / agents)", title="KV held per agent"
     )
-    bytes_axes.set_yscale("log")
+    sizes = [r["kv_bytes_per_agent"] for s in result["strategies"].values() for r in s["runs"]]
+    if max(sizes) > 2 * min(sizes):  # a log axis only for a wide range: a narrow one looks steep
+        bytes_axes.set_yscale("log")
+    else:
+        bytes_axes.set_ylim(0, max(sizes) / 2**20 * 1.15)
     for axes in (tokens_axes, bytes_axes):
         axes.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
