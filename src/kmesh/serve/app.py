@@ -13,14 +13,12 @@ gets one line in the `kmesh.serve.access` log: status, then tokens and reuse, or
 is counted in /metrics.
 """
 
-import asyncio
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,6 +29,7 @@ from starlette.exceptions import HTTPException
 from kmesh.engine.stop_strings import StopFilter
 from kmesh.errors import KMeshError
 from kmesh.serve.backend import Backend, Delta, GenerationJob
+from kmesh.serve.branches import run_branches
 from kmesh.serve.detokenizer import IncrementalDecoder
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -168,7 +167,7 @@ async def _respond(
             lambda totals: _done(metrics, route, totals, started),
         )
         return StreamingResponse(events, media_type="text/event-stream")
-    branches = await _branches(backend, job, body.n)
+    branches = await run_branches(backend, job, body.n)
     stats = [branch.last.stats or {} for branch in branches]
     kmesh = {**stats[0], **{n: sum(s.get(n, 0) for s in stats) for n in _SUMMED if n in stats[0]}}
     if body.n > 1:
@@ -180,49 +179,6 @@ async def _respond(
     }
     _done(metrics, route, totals, started)
     return JSONResponse(builder.response([(b.text, b.finish_reason) for b in branches], **totals))
-
-
-@dataclass(frozen=True, slots=True)
-class _Branch:
-    text: str
-    finish_reason: str
-    last: Delta
-    num_tokens: int
-
-
-async def _branches(backend: Backend, job: GenerationJob, n: int) -> list[_Branch]:
-    """`n` completions of the job (seeds job.seed, +1, ...). The first runs alone until its
-    first token, when its prompt's blocks are in the engine's prefix cache; the others then
-    start and reuse them (each computes its prompt's partial last block)."""
-    first_token = asyncio.Event()
-    first = asyncio.create_task(_branch(backend, job, first_token))
-    if n == 1:
-        return [await first]
-    started = asyncio.create_task(first_token.wait())
-    await asyncio.wait([first, started], return_when=asyncio.FIRST_COMPLETED)
-    started.cancel()
-    if first.done() and first.exception() is not None:
-        await first  # refused before its first token: the request's error
-    seeds = [None if job.seed is None else job.seed + i for i in range(1, n)]
-    others = [_branch(backend, replace(job, seed=seed), None) for seed in seeds]
-    return [await first, *await asyncio.gather(*others)]
-
-
-async def _branch(
-    backend: Backend, job: GenerationJob, first_token: asyncio.Event | None
-) -> _Branch:
-    decoder = IncrementalDecoder(backend.tokenizer)
-    last = Delta(())
-    async with aclosing(backend.generate(job)) as deltas:
-        async for last in deltas:
-            decoder.add(last.token_ids)
-            if first_token is not None:
-                first_token.set()
-    stop = StopFilter(job.stop)
-    text = stop.feed(decoder.take_rest()) + stop.flush()
-    reason = "stop" if stop.stopped else _finish_reason(last)
-    assert last.stats is not None, "a backend ended a job without stats"
-    return _Branch(text, reason, last, decoder.num_tokens)
 
 
 def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: float) -> None:
@@ -287,11 +243,6 @@ async def _events(
 
 def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
-
-
-def _finish_reason(delta: Delta) -> str:
-    assert delta.finish_reason is not None, "a backend ended a job without a finish reason"
-    return delta.finish_reason
 
 
 def _totals(

@@ -31,6 +31,19 @@ class GenerationJob:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
 
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields both engines' SamplingParams take under these names (stop
+        strings aside: each engine takes them in its own type)."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Delta:

@@ -101,16 +101,7 @@ class ReferenceBackend:
         self._engine.close()
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
-        params = SamplingParams(
-            max_tokens=job.max_tokens,
-            temperature=job.temperature,
-            top_p=job.top_p,
-            seed=job.seed,
-            presence_penalty=job.presence_penalty,
-            frequency_penalty=job.frequency_penalty,
-            repetition_penalty=job.repetition_penalty,
-            stop=job.stop,
-        )
+        params = SamplingParams(**job.sampling(), stop=job.stop)
         request_id = f"serve-{next(self._request_ids)}"
         request = Request(
             request_id,

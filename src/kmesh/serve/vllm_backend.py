@@ -56,13 +56,7 @@ class VLLMBackend:
             kmesh = job.kmesh.model_dump(exclude_none=True)
             extra_args = {"kv_transfer_params": {KMESH_PARAMS_KEY: kmesh}}
         params = SamplingParams(
-            max_tokens=job.max_tokens,
-            temperature=job.temperature,
-            top_p=job.top_p,
-            seed=job.seed,
-            presence_penalty=job.presence_penalty,
-            frequency_penalty=job.frequency_penalty,
-            repetition_penalty=job.repetition_penalty,
+            **job.sampling(),
             stop=list(job.stop),
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,

@@ -248,23 +248,7 @@ class SchedulerSide:
         if tracked.recovering and params is not None and params.recovery is not None:
             start = tracked.local_tokens
             end = start + num_external_tokens
-            self._recoveries.append(
-                RecoverTokens(
-                    request.request_id,
-                    list(request.prompt_token_ids),
-                    list(block_ids),
-                    start,
-                    end,
-                    tracked.tenant,
-                    tracked.spans,
-                    params.recovery,
-                    params.family,
-                )
-            )
-            tracked.recovered_tokens = num_external_tokens
-            tracked.recovered_block_ids = set(
-                block_ids[start // self.block_size : -(-end // self.block_size)]
-            )
+            self._recover(request, tracked, block_ids, (start, end), params.recovery, params.family)
             return
         self._load_hits(tracked, block_ids, num_external_tokens // self.block_size)
 
@@ -284,21 +268,33 @@ class SchedulerSide:
         self._load_hits(tracked, block_ids, num_external_tokens // self.block_size)
         start = tracked.local_tokens + tracked.loaded_tokens
         end = tracked.local_tokens + num_external_tokens
-        if start >= end:
-            return
-        self._recoveries.append(
-            RecoverTokens(
-                request.request_id,
-                list(request.prompt_token_ids),
-                list(block_ids),
-                start,
-                end,
-                tracked.tenant,
-                [],
-                BASE_FILL,
-                None,
-            )
+        if start < end:
+            self._recover(request, tracked, block_ids, (start, end), BASE_FILL, None)
+
+    def _recover(
+        self,
+        request: Any,
+        tracked: _Tracked,
+        block_ids: list[int],
+        rows: tuple[int, int],
+        spec: RecoverySpec,
+        family: str | None,
+    ) -> None:
+        """Queue a recovery job filling the request's rows [start, end) for the worker."""
+        start, end = rows
+        spans = [] if spec is BASE_FILL else tracked.spans
+        job = RecoverTokens(
+            request.request_id,
+            list(request.prompt_token_ids),
+            list(block_ids),
+            start,
+            end,
+            tracked.tenant,
+            spans,
+            spec,
+            family,
         )
+        self._recoveries.append(job)
         tracked.recovered_tokens = end - start
         bs = self.block_size
         tracked.recovered_block_ids = set(block_ids[start // bs : -(-end // bs)])
