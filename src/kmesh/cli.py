@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from kmesh import cli_lora
+from kmesh import cli_council, cli_lora
 from kmesh.errors import InvalidRequestError, KMeshError
 
 
@@ -57,6 +57,19 @@ def _serve(args: argparse.Namespace) -> None:
     from kmesh.serve.backend import Backend
 
     _check_store(args.store)
+    reuse_messages = None
+    if args.reuse_messages:
+        from kmesh.serve.jobs import REUSE_MESSAGES
+
+        reuse_messages = REUSE_MESSAGES
+        if args.reuse_ratio is not None:
+            if not 0 <= args.reuse_ratio <= 1:
+                raise InvalidRequestError(
+                    f"--reuse-ratio must be in [0, 1], got {args.reuse_ratio}"
+                )
+            reuse_messages = REUSE_MESSAGES.model_copy(update={"ratio": args.reuse_ratio})
+    elif args.reuse_ratio is not None:
+        raise InvalidRequestError("--reuse-ratio needs --reuse-messages")
     listener = _listen(args.host, args.port)
     backend: Backend
     if args.engine == "vllm":
@@ -84,7 +97,7 @@ def _serve(args: argparse.Namespace) -> None:
         backend,
         on_ready=ready,
         strict_fields=args.strict_fields,
-        reuse_messages=args.reuse_messages,
+        reuse_messages=reuse_messages,
     )
     config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])
@@ -580,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     family.set_defaults(func=_bench_vllm_family)
 
     cli_lora.add_commands(commands, benches)
+    cli_council.add_commands(benches)
     commands.add_parser(
         "vllm", help="vLLM's own command line from this install: kmesh vllm serve|bench serve ..."
     )  # main() hands `kmesh vllm ...` to kmesh.cli_vllm before parsing
@@ -601,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="approximate: a chat without a kmesh object, under a cache_salt starting with "
         "kmesh-approx, reuses any message another request of that tenant computed",
+    )
+    serve.add_argument(
+        "--reuse-ratio",
+        type=float,
+        default=None,
+        help="with --reuse-messages: share of the reused rows recomputed (default: "
+        "per-request recovery's; docs/SERVE.md has the sweep)",
     )
     serve.add_argument(
         "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"

@@ -28,9 +28,19 @@ def test_repetition_penalty_shrinks_every_seen_token_toward_unlikely():
 
 def test_greedy_takes_the_best_token_after_the_penalties_and_reports_its_model_logprob():
     params = SamplingParams(presence_penalty=2.0)
-    token, logprob = sample(LOGITS, params, None, output_ids=[3])
+    token, logprob, top = sample(LOGITS, params, None, output_ids=[3])
     assert token == 0
     assert logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[0]))
+    assert top == ()
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens_before_the_penalties():
+    params = SamplingParams(presence_penalty=2.0, top_logprobs=2)
+    token, _, top = sample(LOGITS, params, None, output_ids=[3])
+    raw = torch.log_softmax(LOGITS, -1)
+    assert token == 0  # token 3 is penalized, but is still the model's most likely
+    assert [t for t, _ in top] == [3, 0]
+    assert [lp for _, lp in top] == pytest.approx([float(raw[3]), float(raw[0])])
 
 
 @pytest.mark.parametrize(

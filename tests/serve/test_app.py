@@ -11,7 +11,7 @@ from kmesh.engine.request import Request, SamplingParams
 from kmesh.recovery.jobs import RecoveryRequest, spans_of
 from kmesh.serve.app import create_app
 from kmesh.serve.backend import Delta, GenerationJob
-from kmesh.serve.jobs import message_segments
+from kmesh.serve.jobs import REUSE_MESSAGES, message_segments
 from kmesh.serve.reference_backend import ReferenceBackend
 from kmesh.state.request_meta import parse_kmesh_params, segment_spans
 
@@ -225,8 +225,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 2, "stream": True}, "n > 1 is not streamed yet"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop takes at most 4 non-empty"),
     ({"prompt": "x", "stop": [""]}, "stop takes at most 4 non-empty"),
-    ({"prompt": "x", "logprobs": 2}, "log-probabilities are not returned yet"),
-    ({"prompt": "x", "top_logprobs": 2}, "log-probabilities are not returned yet"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs on /v1/completions is how many top tokens"),
+    ({"prompt": "x", "logprobs": True}, "logprobs on /v1/completions is how many top tokens"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs is a chat field"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "only plain text"),
     ({"prompt": "x", "tools": [{"type": "function"}]}, "tools (function calling)"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty: Input should be less than"),
@@ -264,6 +265,9 @@ BAD_CHATS = [
         "kmesh.segments is not taken on chat completions: send it to /v1/completions",
     ),
     ({"prompt": "x"}, "messages: Field required"),
+    ({"messages": CHAT, "logprobs": 2}, "logprobs on chat completions is true or false"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer"),
 ]
 
 
@@ -345,6 +349,57 @@ def test_penalties_change_what_greedy_picks(client):
     assert plain == " 4, 5, 6, 7,"  # greedy repeats ", " (prompt tokens)
     penalized = complete(client, prompt=prompt, max_tokens=12, repetition_penalty=1.5)
     assert ", 5, 6" not in penalized["choices"][0]["text"]
+
+
+def test_completion_logprobs_are_the_engines_and_stream_alike(client, real_model):
+    body = complete(client, prompt=SHARED, max_tokens=6, logprobs=2)
+    [choice] = body["choices"]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    lengths = [len(token) for token in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [sum(lengths[:i]) for i in range(6)]
+    for token, logprob, top in zip(
+        *(logprobs[k] for k in ("tokens", "token_logprobs", "top_logprobs")), strict=True
+    ):
+        assert len(top) == 2 and top[token] == logprob == max(top.values())  # greedy: the best
+    engine = Engine(real_model.executor, real_model.fingerprint)
+    prompt = tuple(real_model.tokenizer(SHARED)["input_ids"])
+    [out] = engine.generate([Request("r", prompt, SamplingParams(max_tokens=6))])
+    assert logprobs["token_logprobs"] == pytest.approx(out.logprobs, abs=1e-5)
+    chunks = stream(client, "/v1/completions", prompt=SHARED, max_tokens=6, logprobs=2)
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for part in streamed for v in part[key]] == logprobs[key]
+
+
+def test_chat_logprobs_list_each_token_with_its_top_alternatives(client):
+    body = {"messages": CHAT, "max_tokens": 5, "logprobs": True, "top_logprobs": 3}
+    response = client.post("/v1/chat/completions", json={"temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == response.json()["usage"]["completion_tokens"]
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy
+    chunks = stream(client, "/v1/chat/completions", **body)
+    streamed = [
+        entry
+        for c in chunks
+        if c["choices"][0]["logprobs"]
+        for entry in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert streamed == content
+    plain = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+def test_each_of_n_choices_has_its_own_logprobs(client):
+    body = complete(client, prompt=SHARED, max_tokens=4, temperature=0.9, seed=1, n=2, logprobs=0)
+    for choice in body["choices"]:
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+        assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"])  # the chosen one
 
 
 def test_a_strict_server_refuses_unknown_fields_and_names_them(real_model):
@@ -606,7 +661,7 @@ def test_reuse_messages_reuses_another_requests_messages_under_an_approximate_sa
     real_model,
 ):
     backend = ReferenceBackend(real_model, kv_cache_tokens=4096)
-    with TestClient(create_app(backend, reuse_messages=True)) as server:
+    with TestClient(create_app(backend, reuse_messages=REUSE_MESSAGES)) as server:
 
         def chat(order, salt):
             messages, _ = council_chat(order)  # no declarations sent

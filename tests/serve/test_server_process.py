@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.conftest import run_kmesh
-from tests.serve.conftest import start_serve
+from tests.serve.conftest import openai_client, start_serve
 
 pytestmark = pytest.mark.model
 
@@ -25,7 +25,7 @@ def server(tmp_path_factory):
 
 
 def test_a_completion_with_kmesh_segments_through_the_openai_client(server):
-    client = server.client()
+    client = openai_client(server)
     [model] = client.models.list().data
     segments = [
         {"text": TRUNK, "role": "shared", "id": "archive"},
@@ -56,7 +56,7 @@ def test_a_completion_with_kmesh_segments_through_the_openai_client(server):
 
 
 def test_a_streamed_chat_through_the_openai_client(server):
-    client = server.client()
+    client = openai_client(server)
     chunks = list(
         client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
@@ -78,7 +78,7 @@ def test_a_streamed_chat_through_the_openai_client(server):
 
 
 def test_a_bad_request_raises_the_clients_bad_request_error(server):
-    client = server.client()
+    client = openai_client(server)
     with pytest.raises(openai.BadRequestError, match="n must be between 1 and 16"):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", n=17)
     answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=1)

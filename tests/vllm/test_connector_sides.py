@@ -1,12 +1,14 @@
 """The connector's two halves without a vLLM engine: the scheduler side against a real store
 with stand-in vLLM requests, the worker side against stand-in KV cache tensors."""
 
+import functools
 import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec
@@ -15,6 +17,7 @@ from kmesh.store.client import write_segment
 from kmesh.vllm.activated import ACTIVATION_FILE
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
+from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -41,6 +44,7 @@ def request(request_id: str, prompt=PROMPT, salt=None, lora=None, kmesh=None, lo
         cache_salt=salt,
         lora_request=None if lora is None else SimpleNamespace(lora_name=lora, lora_path=lora_path),
         kv_transfer_params=None if kmesh is None else {"kmesh": kmesh},
+        output_token_ids=[1, 2],
     )
 
 
@@ -294,6 +298,34 @@ def test_a_report_of_a_request_finished_in_the_same_step_reaches_its_stats(store
     scheduler.recovery_reports({"a": report})
     assert stats["recovery"]["computed_tokens"] == 5.5
     assert stats["recovery"]["reused_tokens"] == 3
+
+
+def test_finished_requests_reach_vllms_metrics_once_with_their_recovery_report(store):
+    scheduler, req = claimed_for_recovery(store)
+    stats = finish(scheduler, req)
+    scheduler.recovery_reports({"a": RecoveryReport(5.5, 0.0, 0, 0, 3, 0.02, False)})
+    [taken] = scheduler.take_finished()
+    assert taken == {**stats, "completion_tokens": 2}
+    assert "completion_tokens" not in stats  # the caller's stats are unchanged
+    assert scheduler.take_finished() == []
+    data = KMeshConnectorStats(finished_counts([taken])).aggregate(
+        KMeshConnectorStats(finished_counts([taken]))
+    )
+    registry = CollectorRegistry()
+    types = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
+    metrics = KMeshPromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]}
+    )
+    metrics.observe(data.reduce(), 0)
+    labels = {"model_name": "m", "engine": "0"}
+    value = registry.get_sample_value
+    recovered = value("kmesh_tokens_total", {**labels, "kind": "recovered"})
+    assert recovered == 2 * stats["recovered_tokens"] == 2 * (len(PROMPT) - 1)
+    assert value("kmesh_tokens_total", {**labels, "kind": "generation"}) == 4
+    assert value("kmesh_recovery_tokens_total", {**labels, "kind": "computed"}) == 11
+    assert value("kmesh_recovery_fallbacks_total", labels) == 0
 
 
 def test_without_a_store_vllm_computes_everything(tmp_path):

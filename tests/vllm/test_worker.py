@@ -1,21 +1,18 @@
 """A plain vLLM OpenAI server with KMeshConnector and KMesh's worker class recovers by itself:
 no dev mode, no /collective_rpc (kmesh/vllm/worker.py)."""
 
-import json
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kmesh.compute.embedded import ensure_embedded_model
-from kmesh.vllm.config import WORKER, kv_transfer_config
+from kmesh.serve.process import start_vllm_server
+from kmesh.vllm.config import vllm_engine_kwargs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 
-START_TIMEOUT_S = 300
 TEXT = (
     "The council of the river towns meets once a year in the old mill. Each town sends one "
     "speaker, who reports on the harvest, the state of the bridges, the price of salt and the "
@@ -23,43 +20,13 @@ TEXT = (
 ) * 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    command += ["--model", str(ensure_embedded_model()), "--port", str(port)]
-    command += ["--dtype", "float32", "--enforce-eager", "--block-size", "32"]
-    command += ["--kv-cache-memory-bytes", str(1 << 29), "--max-model-len", "4096"]
-    transfer = json.dumps(kv_transfer_config(None))
-    command += ["--worker-cls", WORKER, "--kv-transfer-config", transfer]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, log.read_text()[-5000:]
-            assert time.monotonic() < deadline, "vLLM's server did not start in time"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    kwargs = vllm_engine_kwargs(ensure_embedded_model(), kv_cache_bytes=1 << 29, max_model_len=4096)
+    server = start_vllm_server(kwargs, log)
+    yield server.url
+    server.stop()
 
 
 def test_a_recovery_request_to_plain_vllm_serve_reports_recovered_tokens(server):
@@ -83,3 +50,21 @@ def test_a_recovery_request_to_plain_vllm_serve_reports_recovered_tokens(server)
     assert stats["recovered_tokens"] >= 64, stats  # whole 32-token pages, by KMesh's executor
     assert stats["recovery"]["computed_tokens"] == stats["recovered_tokens"]
     assert not stats["recovery"]["fell_back"]
+    assert recovered_on_metrics(server) >= stats["recovered_tokens"]  # vLLM's own /metrics
+
+
+def recovered_on_metrics(server: str) -> float:
+    """kmesh_tokens_total{kind="recovered"} on vLLM's /metrics (kmesh/vllm/metrics.py), once
+    vLLM's front end has recorded the step's stats (within a few seconds)."""
+    for _ in range(30):
+        families = text_string_to_metric_families(httpx.get(f"{server}/metrics").text)
+        recovered = sum(
+            s.value
+            for family in families
+            for s in family.samples
+            if s.name == "kmesh_tokens_total" and s.labels.get("kind") == "recovered"
+        )
+        if recovered:
+            return recovered
+        time.sleep(0.5)
+    return 0.0

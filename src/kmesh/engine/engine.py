@@ -20,7 +20,7 @@ from kmesh.compute.executor import Executor
 from kmesh.compute.lora import LoraAdapter
 from kmesh.engine.adapters import Adapters
 from kmesh.engine.kv_manager import KVCacheManager, blocks_for
-from kmesh.engine.request import Request, RequestOutput
+from kmesh.engine.request import Request, RequestOutput, TopLogprobs
 from kmesh.engine.runner import ModelRunner
 from kmesh.engine.sampler import sample
 from kmesh.engine.scheduler import ScheduledBatch, Scheduler
@@ -167,9 +167,17 @@ class Engine:
     def output_ids(self, request_id: str) -> tuple[int, ...]:
         """Tokens a running or waiting request has generated so far (for streaming); step()
         returns the whole output when it ends."""
+        return tuple(self._unfinished(request_id).output_ids)
+
+    def output_logprobs(self, request_id: str) -> tuple[tuple[float, ...], tuple[TopLogprobs, ...]]:
+        """The log-probabilities of those tokens, and their top ones (as RequestOutput's)."""
+        seq = self._unfinished(request_id)
+        return tuple(seq.output_logprobs), tuple(seq.output_top_logprobs)
+
+    def _unfinished(self, request_id: str) -> Sequence:
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
             if seq.request.request_id == request_id:
-                return tuple(seq.output_ids)
+                return seq
         raise ContractError(f"request {request_id!r} is not running or waiting")
 
     def step(self) -> list[RequestOutput]:
@@ -319,8 +327,8 @@ class Engine:
         params = seq.request.params
         assert params is not None
         prompt = seq.token_ids[: seq.num_prompt]
-        token, logprob = sample(logits, params, seq.generator, prompt, seq.output_ids)
-        seq.append(token, logprob, logits)
+        token, logprob, top = sample(logits, params, seq.generator, prompt, seq.output_ids)
+        seq.append(token, logprob, logits, top)
         if len(seq.output_ids) == 1:
             seq.stats.first_token_seconds = time.perf_counter() - seq.submitted_at
 
@@ -384,6 +392,7 @@ class Engine:
             prompt_ids=tuple(seq.token_ids[: seq.num_prompt]),
             output_ids=tuple(seq.output_ids),
             logprobs=tuple(seq.output_logprobs),
+            top_logprobs=tuple(seq.output_top_logprobs),
             finish_reason=seq.finish_reason,
             stats=seq.stats,
             logits=tuple(seq.output_logits) if seq.request.keep_logits else None,

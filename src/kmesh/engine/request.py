@@ -8,6 +8,11 @@ import torch
 from kmesh.errors import InvalidRequestError
 from kmesh.recovery.jobs import RecoveryRequest
 
+# The most top_logprobs a request may ask for (vLLM's default max_logprobs is 20).
+MAX_TOP_LOGPROBS = 20
+# (token id, natural-log probability), most likely first.
+TopLogprobs = tuple[tuple[int, float], ...]
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -27,6 +32,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Per output token, the log-probabilities of this many most likely tokens are kept too
+    # (RequestOutput.top_logprobs; the chosen token's are always kept).
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -42,6 +50,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(
                 f"repetition_penalty must be > 0 (1 is neutral), got {self.repetition_penalty}"
@@ -105,6 +117,8 @@ class RequestOutput:
     # The model's natural-log probability of each output token (log-softmax of the raw logits,
     # before temperature or top-p).
     logprobs: tuple[float, ...]
+    # With params.top_logprobs k > 0: the k most likely tokens at each output token.
+    top_logprobs: tuple[TopLogprobs, ...]
     # "stop" (a stop token), "length" (max_tokens or the model's context), or "retained" (a
     # retained request that sampled nothing).
     finish_reason: str

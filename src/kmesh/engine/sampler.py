@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kmesh.engine.request import SamplingParams
+from kmesh.engine.request import SamplingParams, TopLogprobs
 
 
 def sample(
@@ -19,14 +19,20 @@ def sample(
     generator: torch.Generator | None,
     prompt_ids: Sequence[int] = (),
     output_ids: Sequence[int] = (),
-) -> tuple[int, float]:
-    """Return (token id, the model's log-probability of it) for float32 logits of shape [vocab];
-    the penalties see the sequence's prompt and output so far."""
+) -> tuple[int, float, TopLogprobs]:
+    """Return (token id, the model's log-probability of it, the params.top_logprobs most likely
+    tokens' log-probabilities) for float32 logits of shape [vocab]; the penalties see the
+    sequence's prompt and output so far. Log-probabilities are the raw logits' (before
+    penalties, temperature and top-p), as vLLM's default `raw_logprobs`."""
     logprobs = torch.log_softmax(logits, dim=-1)
+    top: TopLogprobs = ()
+    if params.top_logprobs:
+        values, ids = torch.topk(logprobs, params.top_logprobs)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     logits = penalized(logits, params, prompt_ids, output_ids)
     if params.temperature == 0:
         token = int(torch.argmax(logits))
-        return token, float(logprobs[token])
+        return token, float(logprobs[token]), top
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
@@ -35,7 +41,7 @@ def sample(
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logprobs[token])
+    return token, float(logprobs[token]), top
 
 
 def penalized(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kmesh.compute.lora import LoraUse
-from kmesh.engine.request import Request, RequestStats
+from kmesh.engine.request import Request, RequestStats, TopLogprobs
 from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.state.keys import BlockHash
 
@@ -38,6 +38,8 @@ class Sequence:
     # Leading blocks of block_table already offered to the prefix index.
     num_registered_blocks: int = 0
     output_logprobs: list[float] = field(default_factory=list)
+    # Per output token when params.top_logprobs > 0 (else empty).
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     output_logits: list[torch.Tensor] = field(default_factory=list)
     # Set when generation ended; a retained sequence still computes its last token after it.
     finish_reason: str | None = None
@@ -78,8 +80,12 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
 
-    def append(self, token: int, logprob: float, logits: torch.Tensor) -> None:
+    def append(
+        self, token: int, logprob: float, logits: torch.Tensor, top: TopLogprobs = ()
+    ) -> None:
         self.token_ids.append(token)
         self.output_logprobs.append(logprob)
+        if top:
+            self.output_top_logprobs.append(top)
         if self.request.keep_logits:
             self.output_logits.append(logits)

@@ -28,10 +28,11 @@ from starlette.exceptions import HTTPException
 
 from kmesh.engine.stop_strings import StopFilter
 from kmesh.errors import KMeshError
-from kmesh.serve.backend import Backend, Delta, GenerationJob
+from kmesh.serve.backend import Backend, Delta, GenerationJob, TokenLogprob
 from kmesh.serve.branches import run_branches
 from kmesh.serve.detokenizer import IncrementalDecoder
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
+from kmesh.serve.logprobs import LogprobsRenderer
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kmesh.serve.schema import (
     CHAT,
@@ -45,6 +46,7 @@ from kmesh.serve.schema import (
     unknown_fields,
     usage,
 )
+from kmesh.state.request_meta import RecoverySpec
 
 logger = logging.getLogger(__name__)
 access = logging.getLogger("kmesh.serve.access")
@@ -76,12 +78,12 @@ def create_app(
     backend: Backend,
     on_ready: Callable[[], None] | None = None,
     strict_fields: bool = False,
-    reuse_messages: bool = False,
+    reuse_messages: RecoverySpec | None = None,
 ) -> FastAPI:
     """The server's app; it starts the backend on startup (then calls `on_ready`) and closes
     it on shutdown. `strict_fields`: refuse unknown fields instead of ignoring them.
-    `reuse_messages`: approximate reuse of chat messages without declarations, under
-    approximate salts only (kmesh/serve/jobs.py::chat_job)."""
+    `reuse_messages`: the recovery of chat messages without declarations, under approximate
+    salts only (None: no such reuse; kmesh/serve/jobs.py::chat_job)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -174,11 +176,18 @@ async def _respond(
         kmesh["branches"] = body.n
     family = None if job.kmesh is None else job.kmesh.family
     totals = {
-        "usage": usage(len(job.prompt_ids), sum(branch.num_tokens for branch in branches)),
+        "usage": usage(len(job.prompt_ids), sum(len(branch.token_ids) for branch in branches)),
         "kmesh": {**kmesh, "family": family, "engine": backend.engine},
     }
     _done(metrics, route, totals, started)
-    return JSONResponse(builder.response([(b.text, b.finish_reason) for b in branches], **totals))
+    choices = []
+    for b in branches:
+        logprobs = None
+        if job.logprobs is not None:
+            renderer = LogprobsRenderer(backend.tokenizer, shape.is_chat)
+            logprobs = renderer.render(b.token_ids, b.logprobs)
+        choices.append((b.text, b.finish_reason, logprobs))
+    return JSONResponse(builder.response(choices, **totals))
 
 
 def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: float) -> None:
@@ -210,10 +219,23 @@ async def _events(
     """Server-sent events: `data: {chunk}` for new text, the last chunk with finish_reason and
     kmesh, then (`include_usage`) a chunk with no choices and the usage, then `data: [DONE]`.
     A failure after the first token ends the stream with an error object instead of the last
+    chunk. With job.logprobs, each chunk holds the logprobs of the tokens since the previous
     chunk. `done` gets the totals (none after a failure) once the stream ends."""
     first, deltas = deltas_from
     totals: dict[str, Any] = {}
     stop = StopFilter(job.stop)
+    renderer = LogprobsRenderer(backend.tokenizer, builder.shape.is_chat)
+    unsent: tuple[list[int], list[TokenLogprob]] = ([], [])
+
+    def logprobs() -> dict[str, Any] | None:
+        """The logprobs object of the tokens not in a chunk yet."""
+        if job.logprobs is None:
+            return None
+        rendered = renderer.render(*unsent)
+        unsent[0].clear()
+        unsent[1].clear()
+        return rendered
+
     async with aclosing(deltas):
         try:
             opening = builder.opening_chunk()
@@ -222,15 +244,19 @@ async def _events(
             delta = first
             while delta.finish_reason is None:
                 decoder.add(delta.token_ids)
+                unsent[0].extend(delta.token_ids)
+                unsent[1].extend(delta.logprobs)
                 text = stop.feed(decoder.take_complete())
                 if text:
-                    yield _event(builder.chunk(text))
+                    yield _event(builder.chunk(text, logprobs=logprobs()))
                 delta = await anext(deltas)
             decoder.add(delta.token_ids)
+            unsent[0].extend(delta.token_ids)
+            unsent[1].extend(delta.logprobs)
             totals = _totals(backend, job, delta, decoder)
             rest = stop.feed(decoder.take_rest()) + stop.flush()
             reason = "stop" if stop.stopped else delta.finish_reason
-            yield _event(builder.chunk(rest, reason, kmesh=totals["kmesh"]))
+            yield _event(builder.chunk(rest, reason, logprobs(), kmesh=totals["kmesh"]))
             if include_usage:
                 yield _event(builder.usage_chunk(totals["usage"]))
         except Exception:

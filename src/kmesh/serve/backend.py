@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kmesh.engine.request import TopLogprobs
 from kmesh.state.request_meta import KMeshParams
 
 
@@ -30,6 +31,8 @@ class GenerationJob:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # None: no log-probabilities; k: each output token's, and the k most likely tokens' there.
+    logprobs: int | None = None
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields both engines' SamplingParams take under these names (stop
@@ -46,6 +49,15 @@ class GenerationJob:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's natural-log probability under the model (before penalties,
+    temperature and top-p), and the job's `logprobs` most likely tokens there."""
+
+    logprob: float
+    top: TopLogprobs
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     # Tokens generated since the previous delta (may be empty).
     token_ids: tuple[int, ...]
@@ -54,6 +66,8 @@ class Delta:
     # On the last delta: prompt_tokens, computed_tokens, reused_tokens (local prefix cache),
     # restored_tokens (external store), and whatever else the engine reports.
     stats: dict[str, Any] | None = None
+    # With job.logprobs: one per token of token_ids.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Backend(Protocol):

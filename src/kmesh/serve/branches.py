@@ -6,7 +6,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from kmesh.engine.stop_strings import StopFilter
-from kmesh.serve.backend import Backend, Delta, GenerationJob
+from kmesh.serve.backend import Backend, Delta, GenerationJob, TokenLogprob
 from kmesh.serve.detokenizer import IncrementalDecoder
 
 
@@ -15,7 +15,9 @@ class Branch:
     text: str
     finish_reason: str
     last: Delta
-    num_tokens: int
+    token_ids: tuple[int, ...]
+    # With job.logprobs: one per token.
+    logprobs: tuple[TokenLogprob, ...]
 
 
 async def run_branches(backend: Backend, job: GenerationJob, n: int) -> list[Branch]:
@@ -41,13 +43,17 @@ async def _branch(
 ) -> Branch:
     decoder = IncrementalDecoder(backend.tokenizer)
     last = Delta(())
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
     async with aclosing(backend.generate(job)) as deltas:
         async for last in deltas:
             decoder.add(last.token_ids)
+            token_ids += last.token_ids
+            logprobs += last.logprobs
             if first_token is not None:
                 first_token.set()
     stop = StopFilter(job.stop)
     text = stop.feed(decoder.take_rest()) + stop.flush()
     assert last.finish_reason is not None and last.stats is not None, "a backend ended a job early"
     reason = "stop" if stop.stopped else last.finish_reason
-    return Branch(text, reason, last, decoder.num_tokens)
+    return Branch(text, reason, last, tuple(token_ids), tuple(logprobs))

@@ -7,6 +7,7 @@ message that says what to change.
 from typing import Any
 
 from kmesh.engine.llm import chat_prompt_ids, check_prompt_text
+from kmesh.engine.request import MAX_TOP_LOGPROBS
 from kmesh.errors import ContractError, InvalidRequestError
 from kmesh.serve.backend import Backend, GenerationJob
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -24,7 +25,8 @@ from kmesh.state.request_meta import (
 )
 
 DEFAULT_COMPLETION_TOKENS = 16
-# The recovery `kmesh serve --reuse-messages` gives undeclared chats under approximate salts.
+# The recovery `kmesh serve --reuse-messages` gives undeclared chats under approximate salts
+# (its ratio: --reuse-ratio).
 REUSE_MESSAGES = RecoverySpec(policy="kv_deviation")
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 16  # n
@@ -76,22 +78,23 @@ def completion_job(request: CompletionRequest, backend: Backend) -> GenerationJo
 
 
 def chat_job(
-    request: ChatCompletionRequest, backend: Backend, reuse_messages: bool = False
+    request: ChatCompletionRequest, backend: Backend, reuse: RecoverySpec | None = None
 ) -> GenerationJob:
     """The job of a /v1/chat/completions body: the messages in the model's chat template. With a
     kmesh object, each message is a segment (kmesh/state/chat_codec.py: the text the template
     adds for it, tokenized on its own), as `kmesh.messages` declares it, and the request is
-    served as a completions request with those segments would be. `reuse_messages`: a chat with
-    no kmesh object under an approximate salt gets REUSE_MESSAGES (every message but the last
+    served as a completions request with those segments would be. `reuse` (`kmesh serve
+    --reuse-messages`): a chat with no kmesh object under an approximate salt gets this
+    recovery (every message but the last
     shared, per-request recovery: any message another request of the tenant computed, or
     generated, is reused)."""
     _check_options(request, backend)
     kmesh = kmesh_params(request)
-    if kmesh is None and reuse_messages and _approximate(request.cache_salt):
+    if kmesh is None and reuse is not None and _approximate(request.cache_salt):
         shared = [MessageSpec(role="shared")] * (len(request.messages) - 1)
         kmesh = KMeshParams(
             messages=[*shared, MessageSpec(role="private")],
-            recovery=REUSE_MESSAGES,
+            recovery=reuse,
             keep_output=True,  # its answer, read back in later chats, is reused as its author's
         )
     if kmesh is not None and (kmesh.segments is not None or kmesh.separator is not None):
@@ -239,13 +242,6 @@ def _check_options(request: GenerationRequest, backend: Backend) -> None:
         raise RequestFieldError(
             f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {stops!r}", "stop"
         )
-    if request.logprobs or request.top_logprobs:
-        field = "logprobs" if request.logprobs else "top_logprobs"
-        raise RequestFieldError(
-            f"{field}: log-probabilities are not returned yet: leave logprobs and top_logprobs "
-            "out (or false / null)",
-            field,
-        )
     if request.response_format is not None and request.response_format.get("type") != "text":
         raise RequestFieldError(
             f"response_format {request.response_format.get('type')!r} is not supported: only "
@@ -257,6 +253,43 @@ def _check_options(request: GenerationRequest, backend: Backend) -> None:
             "tools (function calling) are not supported: leave tools and tool_choice out",
             "tools",
         )
+
+
+def requested_logprobs(request: GenerationRequest) -> int | None:
+    """How many top tokens' log-probabilities the request wants per output token (None: no
+    log-probabilities): completions say it in `logprobs`, chat in `logprobs: true` and
+    `top_logprobs`, as OpenAI's API does."""
+    chat = isinstance(request, ChatCompletionRequest)
+    logprobs, top = request.logprobs, request.top_logprobs
+    limits = f"an integer from 0 to {MAX_TOP_LOGPROBS}"
+    if not chat:
+        if top is not None:
+            raise RequestFieldError(
+                f"top_logprobs is a chat field: on /v1/completions send logprobs ({limits})",
+                "top_logprobs",
+            )
+        if isinstance(logprobs, bool) or not (
+            logprobs is None or 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise RequestFieldError(
+                f"logprobs on /v1/completions is how many top tokens to list ({limits}), got "
+                f"{logprobs!r}",
+                "logprobs",
+            )
+        return logprobs
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestFieldError(
+            f"logprobs on chat completions is true or false, got {logprobs!r}: send "
+            f"logprobs true and top_logprobs ({limits})",
+            "logprobs",
+        )
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestFieldError(f"top_logprobs must be {limits}, got {top}", "top_logprobs")
+    if top is not None and not logprobs:
+        raise RequestFieldError(
+            "top_logprobs needs logprobs: send logprobs true with it", "top_logprobs"
+        )
+    return (top or 0) if logprobs else None
 
 
 def _job(
@@ -286,4 +319,5 @@ def _job(
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
         stop=stop_strings(request),
+        logprobs=requested_logprobs(request),
     )

@@ -2,19 +2,56 @@
 
 Counted per finished request (kmesh.serve.app): requests by route and HTTP status, prompt and
 generated tokens, and KMesh's split of the prompt tokens (computed, reused from the local prefix
-cache, restored from the store, recovered by KMesh's executor), recoveries that fell back to the
-engine's own prefill, and request seconds. A request refused before it ran counts only in
-`kmesh_requests_total`.
+cache, restored from the store, recovered by KMesh's executor), what recovered rows cost,
+recoveries that fell back to the engine's own prefill, and request seconds. A request refused
+before it ran counts only in `kmesh_requests_total`.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-# The stats a finished request reports (kmesh/serve/backend.py::Delta.stats) that are counted.
-PROMPT_SPLIT = ("computed_tokens", "reused_tokens", "restored_tokens", "recovered_tokens")
+TOKEN_KINDS = ("prompt", "generation", "computed", "reused", "restored", "recovered")
+RECOVERY_KINDS = ("computed", "reused")
+# The counters kmesh serve and KMeshConnector inside vLLM (kmesh/vllm/metrics.py) both keep:
+# name -> help. kmesh_tokens and kmesh_recovery_tokens have a `kind` label.
+COUNTERS = {
+    "kmesh_tokens": "Tokens of finished requests: prompt, generation, and the prompt's split "
+    "(computed, reused from the local prefix cache, restored from the store, recovered by "
+    "KMesh's executor).",
+    "kmesh_recovery_tokens": "What recovered rows cost: computed by KMesh's executor "
+    "(token-equivalents: a row recomputed in some layers counts its share), or reused from "
+    "stored KV.",
+    "kmesh_recovery_fallbacks": "Recoveries the quality gate (or a failure) handed back to the "
+    "engine's own prefill.",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCounts:
+    """What one finished request adds to the counters."""
+
+    tokens: dict[str, float]  # TOKEN_KINDS
+    recovery: dict[str, float]  # RECOVERY_KINDS
+    fallbacks: int
+
+
+def request_counts(stats: dict[str, Any]) -> RequestCounts:
+    """The counts of a finished request's kmesh stats (with completion_tokens)."""
+    tokens = {
+        "prompt": stats.get("prompt_tokens", 0),
+        "generation": stats.get("completion_tokens", 0),
+    }
+    for kind in TOKEN_KINDS[2:]:
+        tokens[kind] = stats.get(f"{kind}_tokens", 0)
+    recovery = stats.get("recovery")
+    if not isinstance(recovery, dict):
+        return RequestCounts(tokens, dict.fromkeys(RECOVERY_KINDS, 0.0), 0)
+    spent = {kind: recovery.get(f"{kind}_tokens", 0) for kind in RECOVERY_KINDS}
+    return RequestCounts(tokens, spent, int(bool(recovery.get("fell_back"))))
 
 
 class ServeMetrics:
@@ -27,16 +64,16 @@ class ServeMetrics:
             registry=self.registry,
         )
         self.tokens = Counter(
-            "kmesh_tokens",
-            "Tokens of finished requests: prompt, generation, and the prompt's split "
-            "(computed, reused, restored, recovered).",
+            "kmesh_tokens", COUNTERS["kmesh_tokens"], ["kind"], registry=self.registry
+        )
+        self.recovery = Counter(
+            "kmesh_recovery_tokens",
+            COUNTERS["kmesh_recovery_tokens"],
             ["kind"],
             registry=self.registry,
         )
         self.fallbacks = Counter(
-            "kmesh_recovery_fallbacks",
-            "Recoveries the quality gate (or a failure) handed back to the engine's own prefill.",
-            registry=self.registry,
+            "kmesh_recovery_fallbacks", COUNTERS["kmesh_recovery_fallbacks"], registry=self.registry
         )
         self.seconds = Histogram(
             "kmesh_request_seconds",
@@ -48,13 +85,12 @@ class ServeMetrics:
         """A request that finished; `stats`: its kmesh stats and usage."""
         self.requests.labels(route, "200").inc()
         self.seconds.observe(seconds)
-        for kind, name in (("prompt", "prompt_tokens"), ("generation", "completion_tokens")):
-            self.tokens.labels(kind).inc(stats.get(name, 0))
-        for name in PROMPT_SPLIT:
-            self.tokens.labels(name.removesuffix("_tokens")).inc(stats.get(name, 0))
-        recovery = stats.get("recovery")
-        if isinstance(recovery, dict) and recovery.get("fell_back"):
-            self.fallbacks.inc()
+        counts = request_counts(stats)
+        for kind, n in counts.tokens.items():
+            self.tokens.labels(kind).inc(n)
+        for kind, n in counts.recovery.items():
+            self.recovery.labels(kind).inc(n)
+        self.fallbacks.inc(counts.fallbacks)
 
     def refused(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -27,7 +27,7 @@ from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
 from kmesh.errors import KMeshError
 from kmesh.recovery.jobs import RecoveryRequest, spans_of
-from kmesh.serve.backend import Delta, GenerationJob
+from kmesh.serve.backend import Delta, GenerationJob, TokenLogprob
 from kmesh.state.request_meta import segment_spans
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class EngineStoppedError(RuntimeError):
 @dataclass(slots=True)
 class _Live:
     post: Post
+    # The job asked for log-probabilities.
+    logprobs: bool = False
     # Output tokens already posted.
     num_sent: int = 0
 
@@ -85,7 +87,7 @@ class ReferenceBackend:
             **engine_options,
         )
         # Requests to add, or None to stop the thread.
-        self._inbox: queue.SimpleQueue[tuple[Request, Post] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Request, _Live] | None] = queue.SimpleQueue()
         self._request_ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kmesh-engine", daemon=True)
         # Set (under the lock) when the thread died; later requests fail at once.
@@ -101,7 +103,7 @@ class ReferenceBackend:
         self._engine.close()
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
-        params = SamplingParams(**job.sampling(), stop=job.stop)
+        params = SamplingParams(**job.sampling(), stop=job.stop, top_logprobs=job.logprobs or 0)
         request_id = f"serve-{next(self._request_ids)}"
         request = Request(
             request_id,
@@ -114,7 +116,7 @@ class ReferenceBackend:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
 
-        def post(item: Delta | BaseException) -> None:
+        def post(item: Delta | BaseException) -> None:  # on the engine thread
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 loop.call_soon_threadsafe(deltas.put_nowait, item)
 
@@ -124,7 +126,7 @@ class ReferenceBackend:
                     "the reference engine stopped after an internal error (see the server log): "
                     "restart kmesh serve"
                 ) from self._failure
-            self._inbox.put((request, post))
+            self._inbox.put((request, _Live(post, job.logprobs is not None)))
         # NOTE: a caller that stops listening (a closed stream) does not stop the request: the
         # engine has no abort, so it runs to its end and its deltas are dropped.
         while True:
@@ -161,7 +163,7 @@ class ReferenceBackend:
         while not self._inbox.empty():
             item = self._inbox.get()
             if item is not None:
-                item[1](stopped)
+                item[1].post(stopped)
 
     def _admit(self, live: dict[str, _Live], *, wait: bool) -> bool:
         """Add queued requests to the engine (waiting for one if asked); False once told to stop."""
@@ -172,13 +174,13 @@ class ReferenceBackend:
                 return True
             if item is None:
                 return False
-            request, post = item
+            request, waiting = item
             try:
                 self._engine.add_request(request)
             except KMeshError as error:
-                post(error)
+                waiting.post(error)
             else:
-                live[request.request_id] = _Live(post)
+                live[request.request_id] = waiting
             wait = False
 
     def _step(self, live: dict[str, _Live]) -> None:
@@ -186,19 +188,30 @@ class ReferenceBackend:
         for request_id, request in list(live.items()):
             output = ended.get(request_id)
             if output is not None:
-                request.post(_last_delta(output, request.num_sent))
+                request.post(_last_delta(output, request))
                 del live[request_id]
                 continue
             token_ids = self._engine.output_ids(request_id)
             if len(token_ids) > request.num_sent:
-                request.post(Delta(token_ids[request.num_sent :]))
+                logprobs: tuple[TokenLogprob, ...] = ()
+                if request.logprobs:
+                    logprobs = _logprobs(*self._engine.output_logprobs(request_id))
+                sent = request.num_sent
+                request.post(Delta(token_ids[sent:], logprobs=logprobs[sent:]))
                 request.num_sent = len(token_ids)
 
 
-def _last_delta(output: RequestOutput, num_sent: int) -> Delta:
+def _last_delta(output: RequestOutput, request: _Live) -> Delta:
     stats: dict[str, Any] = {name: getattr(output.stats, name) for name in STAT_NAMES}
     if output.stats.recovery is not None:
         stats["recovery"] = output.stats.recovery
     if output.stats.kept_output_tokens:  # as vLLM's connector reports it
         stats["kept_output_tokens"] = output.stats.kept_output_tokens
-    return Delta(output.output_ids[num_sent:], output.finish_reason, stats)
+    sent = request.num_sent
+    logprobs = _logprobs(output.logprobs, output.top_logprobs) if request.logprobs else ()
+    return Delta(output.output_ids[sent:], output.finish_reason, stats, logprobs[sent:])
+
+
+def _logprobs(chosen: tuple[float, ...], top: tuple[Any, ...]) -> tuple[TokenLogprob, ...]:
+    """Per output token; `top` is empty when the job asked for none."""
+    return tuple(TokenLogprob(logprob, top[i] if top else ()) for i, logprob in enumerate(chosen))

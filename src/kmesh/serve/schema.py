@@ -49,7 +49,8 @@ class GenerationRequest(_Body):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)
-    # Not returned yet: only absent or off (refused otherwise, by kmesh.serve.jobs).
+    # Completions: a number k (the chosen token's and the k most likely tokens'); chat: true,
+    # with top_logprobs k (kmesh.serve.jobs checks which is which; kmesh/serve/logprobs.py).
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     # Only plain text (refused otherwise).
@@ -124,6 +125,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+# One choice of a whole response: its text, finish reason and logprobs object (or None).
+Choice = tuple[str, str, dict[str, Any] | None]
+
+
 @dataclass(frozen=True, slots=True)
 class ResponseShape:
     """What differs between text completions and chat completions."""
@@ -152,16 +157,16 @@ class ResponseBuilder:
     def new(cls, shape: ResponseShape, model: str) -> "ResponseBuilder":
         return cls(shape, model, f"{shape.id_prefix}-{uuid.uuid4().hex}", int(time.time()))
 
-    def response(self, choices: list[tuple[str, str]], **extra: Any) -> dict[str, Any]:
-        """The whole response: each choice's text and finish reason; `extra` holds usage and
-        kmesh."""
+    def response(self, choices: list[Choice], **extra: Any) -> dict[str, Any]:
+        """The whole response: each choice's text, finish reason and logprobs object (or
+        None); `extra` holds usage and kmesh."""
         bodies = []
-        for index, (text, finish_reason) in enumerate(choices):
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
             if self.shape.is_chat:
                 content: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
             else:
                 content = {"text": text}
-            bodies.append(_choice(content, finish_reason, index))
+            bodies.append(_choice(content, finish_reason, index, logprobs))
         return {**self._body(self.shape.object, None, extra), "choices": bodies}
 
     def opening_chunk(self) -> dict[str, Any] | None:
@@ -171,13 +176,21 @@ class ResponseBuilder:
         choice = _choice({"delta": {"role": "assistant", "content": ""}}, None)
         return self._body(self.shape.chunk_object, choice, {})
 
-    def chunk(self, text: str, finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
-        """A chunk of new text; the last one has finish_reason, and `extra` (usage, kmesh)."""
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """A chunk of new text (and its tokens' logprobs object); the last one has
+        finish_reason, and `extra` (usage, kmesh)."""
         if self.shape.is_chat:
             content: dict[str, Any] = {"delta": {"content": text} if text else {}}
         else:
             content = {"text": text}
-        return self._body(self.shape.chunk_object, _choice(content, finish_reason), extra)
+        choice = _choice(content, finish_reason, 0, logprobs)
+        return self._body(self.shape.chunk_object, choice, extra)
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         """A stream's usage (`stream_options.include_usage`): OpenAI's last chunk, no choices."""
@@ -196,5 +209,10 @@ class ResponseBuilder:
         }
 
 
-def _choice(content: dict[str, Any], finish_reason: str | None, index: int = 0) -> dict[str, Any]:
-    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
+def _choice(
+    content: dict[str, Any],
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from kmesh.serve.backend import Delta, GenerationJob
+from kmesh.serve.backend import Delta, GenerationJob, TokenLogprob
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.vllm.config import vllm_engine_kwargs
 
@@ -58,6 +58,7 @@ class VLLMBackend:
         params = SamplingParams(
             **job.sampling(),
             stop=list(job.stop),
+            logprobs=job.logprobs,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,
         )
@@ -67,10 +68,27 @@ class VLLMBackend:
         async for output in self._llm.generate(prompt, params, f"serve-{uuid.uuid4().hex}"):
             completion = output.outputs[0]
             token_ids = tuple(completion.token_ids)
+            logprobs = _logprobs(token_ids, completion.logprobs, job.logprobs)
             if not output.finished:
-                yield Delta(token_ids)
+                yield Delta(token_ids, logprobs=logprobs)
                 continue
-            yield Delta(token_ids, completion.finish_reason, _stats(output, len(job.prompt_ids)))
+            stats = _stats(output, len(job.prompt_ids))
+            yield Delta(token_ids, completion.finish_reason, stats, logprobs)
+
+
+def _logprobs(token_ids: tuple[int, ...], given: Any, k: int | None) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-token {token id: Logprob} (the sampled token and the k most likely, ranked
+    from 1) as TokenLogprobs."""
+    if k is None or given is None:
+        return ()
+    result = []
+    for token, entries in zip(token_ids, given, strict=True):
+        ranked = sorted(
+            (entry.rank, t, entry.logprob) for t, entry in entries.items() if entry.rank <= k
+        )
+        top = tuple((t, logprob) for _, t, logprob in ranked)
+        result.append(TokenLogprob(entries[token].logprob, top))
+    return tuple(result)
 
 
 def _stats(output: Any, num_prompt: int) -> dict[str, Any]:

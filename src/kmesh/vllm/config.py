@@ -6,6 +6,7 @@ compared token for token; `dtype="bfloat16"` gives vLLM's usual CPU dtype, in wh
 too). A failed load from the store is recomputed, never fatal.
 """
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +69,17 @@ def vllm_engine_kwargs(
         kwargs["worker_cls"] = WORKER
     kwargs.update(overrides)
     return kwargs
+
+
+def vllm_server_args(kwargs: dict[str, Any]) -> list[str]:
+    """`vllm_engine_kwargs` as the command line of vLLM's OpenAI server
+    (`python -m vllm.entrypoints.openai.api_server ARGS`): flags for true values, JSON for
+    dicts."""
+    args: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False and value is not None:
+            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return args

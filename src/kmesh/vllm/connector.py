@@ -11,7 +11,8 @@ Without a store it only reports per-request stats (and recovers, if asked). Each
 request's output carries `kv_transfer_params["kmesh"]` = {prompt_tokens, reused_tokens,
 restored_tokens, recovered_tokens, computed_tokens, family, `recovery` when asked, and
 `kept_output_tokens` when it kept its output (its blocks are then freed a step later, once the
-worker half has read its generated rows)}.
+worker half has read its generated rows)}. The same counts, summed, reach vLLM's /metrics
+(metrics.py).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from kmesh.recovery.requests import RequestRecovery
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
+from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -133,6 +135,31 @@ class KMeshConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         delay_free, stats = self._scheduler_side.request_finished(request, block_ids)
         return delay_free, {KMESH_PARAMS_KEY: stats}
+
+    # -- metrics (kmesh/vllm/metrics.py) -------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KMeshConnectorStats | None:
+        """The scheduler side's requests finished since the last call (the worker has none)."""
+        if self._scheduler is None:
+            return None
+        finished = self._scheduler.take_finished()
+        return KMeshConnectorStats(finished_counts(finished)) if finished else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KMeshConnectorStats | None:
+        return KMeshConnectorStats(data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KMeshPromMetrics:
+        return KMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -124,6 +124,9 @@ class SchedulerSide:
         self._outputs: list[KeepOutput] = []
         # Stats of requests finished this step whose recovery report has not come yet.
         self._finishing: dict[str, dict[str, Any]] = {}
+        # Finished requests the metrics have not taken yet: their stats (a recovery report
+        # still to come this step lands in the same dict first) and generated tokens.
+        self._finished: list[tuple[dict[str, Any], int]] = []
         self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
         self._families: dict[str, int] = defaultdict(int)  # finished requests per open family
         self._family_tenants: dict[str, set[str | None]] = defaultdict(set)
@@ -395,7 +398,15 @@ class SchedulerSide:
             self._finishing[request.request_id] = stats  # its report comes in this same step
         if keep:
             stats["kept_output_tokens"] = len(self._outputs[-1].token_ids)
+        self._finished.append((stats, len(request.output_token_ids)))
         return keep, stats
+
+    def take_finished(self) -> list[dict[str, Any]]:
+        """Stats of the requests finished since the last call, each with completion_tokens (for
+        vLLM's metrics: kmesh/vllm/metrics.py)."""
+        finished = [{**stats, "completion_tokens": n} for stats, n in self._finished]
+        self._finished = []
+        return finished
 
     def _keep_output(self, request: Any, tracked: _Tracked, block_ids: list[int]) -> bool:
         """Queue the request's generated rows for the worker to keep, if it asked; their KV is

@@ -1,0 +1,56 @@
+"""`kmesh bench council`: an unmodified agent framework against KMesh and vanilla vLLM."""
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from kmesh.errors import InvalidRequestError
+
+
+def _bench_council(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.council import CouncilConfig, client_python, run_council_bench
+    from kmesh.bench.council_report import plot, print_report
+    from kmesh.cli import write_json
+
+    for name in ("agents", "rounds", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    python = client_python(args.client_python)
+    console = Console(stderr=True)
+    cfg = CouncilConfig(args.agents, args.rounds, args.max_tokens, args.model)
+    ratios = tuple(float(r) for r in args.ratios.split(","))
+    if not all(0 <= r <= 1 for r in ratios):
+        raise InvalidRequestError(f"--ratios are shares in [0, 1], got {args.ratios}")
+    result = run_council_bench(cfg, args.engine, ratios, python, console.log)
+    print_report(result, report_console())
+    write_json(args.json, result)
+    if args.plot:
+        plot(result, Path(args.plot))
+
+
+def add_commands(benches: Any) -> None:
+    council = benches.add_parser(
+        "council",
+        help="an AutoGen council (unmodified) against kmesh serve and vanilla vLLM, per round",
+    )
+    council.add_argument("--engine", choices=["reference", "vllm"], default="vllm")
+    council.add_argument("--agents", type=int, default=8, help="council members")
+    council.add_argument("--rounds", type=int, default=3, help="turns of every member")
+    council.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per message")
+    council.add_argument(
+        "--ratios",
+        default="0.3",
+        help="kmesh serve --reuse-ratio values to run, comma-separated (default 0.3)",
+    )
+    council.add_argument("--json", required=True, help="where to write the report")
+    council.add_argument("--plot", default=None, help="where to draw computed tokens per round")
+    council.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    council.add_argument(
+        "--client-python",
+        default=None,
+        help="Python of a venv with clients/autogen.txt (default: .venv-clients: make clients)",
+    )
+    council.set_defaults(func=_bench_council)
