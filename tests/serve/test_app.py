@@ -222,7 +222,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0"),
     ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
     ({"prompt": "x", "n": 17}, "n must be between 1 and 16"),
-    ({"prompt": "x", "n": 2, "stream": True}, "n > 1 is not streamed yet"),
+    ({"prompt": "x", "n": 0}, "n must be between 1 and 16"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop takes at most 4 non-empty"),
     ({"prompt": "x", "stop": [""]}, "stop takes at most 4 non-empty"),
     ({"prompt": "x", "logprobs": 21}, "logprobs on /v1/completions is how many top tokens"),
@@ -230,6 +230,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_logprobs": 2}, "top_logprobs is a chat field"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "only plain text"),
     ({"prompt": "x", "tools": [{"type": "function"}]}, "tools (function calling)"),
+    ({"prompt": "x", "top_k": 5}, "top_k is not supported by this server (got 5): leave it out"),
+    ({"prompt": "x", "ignore_eos": True}, "ignore_eos is not supported"),
+    ({"prompt": "x", "logit_bias": {"42": 100}}, "logit_bias is not supported"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json is not supported"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty: Input should be less than"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: Input should be greater"),
     ({"prompt": "x", "model": "gpt-4"}, "serves 'SmolLM2-135M-Instruct'"),
@@ -307,6 +311,8 @@ def test_fields_openai_clients_send_are_served(client):
         stop=None,
         top_k=-1,
         ignore_eos=False,
+        logit_bias={},
+        min_tokens=0,
     )
     assert body["choices"][0]["text"] == plain["choices"][0]["text"]
     messages = [{"role": "user", "content": "Hi", "name": "alice", "thinking": None}]
@@ -341,6 +347,30 @@ def test_n_completions_share_the_prompts_blocks(client):
     assert stats["reused_tokens"] >= 2 * full_blocks  # the second and third reuse the first's
     alone = complete(client, prompt=SHARED, max_tokens=6, temperature=0.9, seed=3)
     assert alone["choices"][0]["text"] == body["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_streamed_choices_are_the_whole_responses_choices(client, path):
+    request = {"max_tokens": 6, "temperature": 0.9, "seed": 3, "n": 3}
+    request |= {"prompt": SHARED} if path == "/v1/completions" else {"messages": CHAT}
+    whole = client.post(path, json=request).json()
+    chunks = stream(client, path, **request, stream_options={"include_usage": True})
+    *chunks, last = chunks
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    texts, reasons = ["", "", ""], [None, None, None]
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        part = choice["text"] if path == "/v1/completions" else choice["delta"].get("content")
+        texts[choice["index"]] += part or ""
+        if choice["finish_reason"] is not None:
+            assert reasons[choice["index"]] is None  # one last chunk per choice
+            reasons[choice["index"]] = choice["finish_reason"]
+    key = "text" if path == "/v1/completions" else "message"
+    expected = [c[key] if key == "text" else c[key]["content"] for c in whole["choices"]]
+    assert texts == expected
+    assert reasons == [c["finish_reason"] for c in whole["choices"]]
+    assert [c for c in chunks if "kmesh" in c] == [chunks[-1]]
+    assert chunks[-1]["kmesh"]["branches"] == 3
 
 
 def test_penalties_change_what_greedy_picks(client):

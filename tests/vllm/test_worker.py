@@ -25,12 +25,19 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     kwargs = vllm_engine_kwargs(ensure_embedded_model(), kv_cache_bytes=1 << 29, max_model_len=4096)
     server = start_vllm_server(kwargs, log)
-    yield server.url
+    yield server
     server.stop()
 
 
+def complete(server, **body) -> dict:
+    [model] = httpx.get(f"{server.url}/v1/models").json()["data"]
+    body = {"model": model["id"], "max_tokens": 4, "temperature": 0, **body}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_a_recovery_request_to_plain_vllm_serve_reports_recovered_tokens(server):
-    [model] = httpx.get(f"{server}/v1/models").json()["data"]
     kmesh = {
         "segments": [
             {"text": TEXT, "role": "shared", "id": "notes"},
@@ -38,19 +45,34 @@ def test_a_recovery_request_to_plain_vllm_serve_reports_recovered_tokens(server)
         ],
         "recovery": {"policy": "full"},
     }
-    body = {
-        "model": model["id"],
-        "prompt": TEXT + "In one word, the towns are",
-        "max_tokens": 4,
-        "temperature": 0,
-        "kv_transfer_params": {"kmesh": kmesh},
-    }
-    answer = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()
+    answer = complete(
+        server, prompt=TEXT + "In one word, the towns are", kv_transfer_params={"kmesh": kmesh}
+    )
     stats = answer["kv_transfer_params"]["kmesh"]
     assert stats["recovered_tokens"] >= 64, stats  # whole 32-token pages, by KMesh's executor
     assert stats["recovery"]["computed_tokens"] == stats["recovered_tokens"]
     assert not stats["recovery"]["fell_back"]
-    assert recovered_on_metrics(server) >= stats["recovered_tokens"]  # vLLM's own /metrics
+    assert recovered_on_metrics(server.url) >= stats["recovered_tokens"]  # vLLM's own /metrics
+
+
+@pytest.mark.parametrize(
+    ("kmesh", "logged"),
+    [
+        (
+            {"family": "f", "recovery": {"round": {"id": "r", "segments": ["nowhere"]}}},
+            "unknown segment ids",
+        ),
+        ({"segments": [{"text": "not the prompt", "id": "x"}]}, "do not spell its prompt"),
+        ({"famly": "f"}, "famly"),
+    ],
+)
+def test_a_bad_kmesh_object_on_plain_vllm_is_logged_and_served_exactly(server, kmesh, logged):
+    prompt = "The council of the river towns decided"
+    plain = complete(server, prompt=prompt)
+    answer = complete(server, prompt=prompt, kv_transfer_params={"kmesh": kmesh})
+    assert answer["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert answer["kv_transfer_params"]["kmesh"]["recovered_tokens"] == 0
+    assert logged in server.log.read_text()
 
 
 def recovered_on_metrics(server: str) -> float:

@@ -1,7 +1,8 @@
 """The HTTP side of `kmesh serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions,
 and Prometheus's /metrics (kmesh/serve/metrics.py).
 
-Every response carries a top-level `kmesh` object (a stream: on its last content chunk):
+Every response carries a top-level `kmesh` object (a stream: on its last content chunk; with
+n > 1, counts summed over the choices):
 prompt_tokens, computed_tokens, reused_tokens (local prefix cache), restored_tokens (external
 store), family and engine. A stream carries usage only when `stream_options.include_usage` asks,
 in OpenAI's shape: a last chunk with no choices, before `data: [DONE]`.
@@ -26,13 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kmesh.engine.stop_strings import StopFilter
 from kmesh.errors import KMeshError
-from kmesh.serve.backend import Backend, Delta, GenerationJob, TokenLogprob
-from kmesh.serve.branches import run_branches
-from kmesh.serve.detokenizer import IncrementalDecoder
+from kmesh.serve.backend import Backend, Delta, GenerationJob
+from kmesh.serve.branches import ChoiceText, Piece, branch_deltas, run_choices
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
-from kmesh.serve.logprobs import LogprobsRenderer
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kmesh.serve.schema import (
     CHAT,
@@ -152,10 +150,9 @@ async def _respond(
 ) -> Response:
     route, metrics = _route(request), request.app.state.metrics
     builder = ResponseBuilder.new(shape, backend.model_id)
-    decoder = IncrementalDecoder(backend.tokenizer)
     started = time.perf_counter()
     if body.stream:
-        deltas = backend.generate(job)
+        deltas = branch_deltas(backend, job, body.n)
         # Errors before the first token (the engine refusing the job) are still HTTP errors.
         first = await anext(deltas)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -163,31 +160,17 @@ async def _respond(
             backend,
             job,
             builder,
-            decoder,
             (first, deltas),
+            body.n,
             include_usage,
             lambda totals: _done(metrics, route, totals, started),
         )
         return StreamingResponse(events, media_type="text/event-stream")
-    branches = await run_branches(backend, job, body.n)
-    stats = [branch.last.stats or {} for branch in branches]
-    kmesh = {**stats[0], **{n: sum(s.get(n, 0) for s in stats) for n in _SUMMED if n in stats[0]}}
-    if body.n > 1:
-        kmesh["branches"] = body.n
-    family = None if job.kmesh is None else job.kmesh.family
-    totals = {
-        "usage": usage(len(job.prompt_ids), sum(len(branch.token_ids) for branch in branches)),
-        "kmesh": {**kmesh, "family": family, "engine": backend.engine},
-    }
+    choices = await run_choices(backend, job, body.n, shape.is_chat)
+    totals = _totals(backend, job, choices)
     _done(metrics, route, totals, started)
-    choices = []
-    for b in branches:
-        logprobs = None
-        if job.logprobs is not None:
-            renderer = LogprobsRenderer(backend.tokenizer, shape.is_chat)
-            logprobs = renderer.render(b.token_ids, b.logprobs)
-        choices.append((b.text, b.finish_reason, logprobs))
-    return JSONResponse(builder.response(choices, **totals))
+    whole = [(c.text, c.finish_reason, c.whole_logprobs()) for c in choices]
+    return JSONResponse(builder.response(whole, **totals))
 
 
 def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: float) -> None:
@@ -211,52 +194,42 @@ async def _events(
     backend: Backend,
     job: GenerationJob,
     builder: ResponseBuilder,
-    decoder: IncrementalDecoder,
-    deltas_from: tuple[Delta, AsyncGenerator[Delta, None]],
+    deltas_from: tuple[tuple[int, Delta], AsyncGenerator[tuple[int, Delta], None]],
+    n: int,
     include_usage: bool,
     done: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[str]:
-    """Server-sent events: `data: {chunk}` for new text, the last chunk with finish_reason and
-    kmesh, then (`include_usage`) a chunk with no choices and the usage, then `data: [DONE]`.
-    A failure after the first token ends the stream with an error object instead of the last
-    chunk. With job.logprobs, each chunk holds the logprobs of the tokens since the previous
-    chunk. `done` gets the totals (none after a failure) once the stream ends."""
+    """Server-sent events: `data: {chunk}` for each choice's new text (its `index`; with
+    job.logprobs, the logprobs of the tokens since its previous chunk), each choice's last chunk
+    with its finish_reason, the last of them with kmesh too, then (`include_usage`) a chunk with
+    no choices and the usage, then `data: [DONE]`. A failure after the first token ends the
+    stream with an error object instead. `done` gets the totals (none after a failure) once the
+    stream ends."""
     first, deltas = deltas_from
     totals: dict[str, Any] = {}
-    stop = StopFilter(job.stop)
-    renderer = LogprobsRenderer(backend.tokenizer, builder.shape.is_chat)
-    unsent: tuple[list[int], list[TokenLogprob]] = ([], [])
-
-    def logprobs() -> dict[str, Any] | None:
-        """The logprobs object of the tokens not in a chunk yet."""
-        if job.logprobs is None:
-            return None
-        rendered = renderer.render(*unsent)
-        unsent[0].clear()
-        unsent[1].clear()
-        return rendered
-
+    choices = [ChoiceText(backend.tokenizer, job, builder.shape.is_chat) for _ in range(n)]
     async with aclosing(deltas):
         try:
-            opening = builder.opening_chunk()
-            if opening is not None:
-                yield _event(opening)
-            delta = first
-            while delta.finish_reason is None:
-                decoder.add(delta.token_ids)
-                unsent[0].extend(delta.token_ids)
-                unsent[1].extend(delta.logprobs)
-                text = stop.feed(decoder.take_complete())
-                if text:
-                    yield _event(builder.chunk(text, logprobs=logprobs()))
-                delta = await anext(deltas)
-            decoder.add(delta.token_ids)
-            unsent[0].extend(delta.token_ids)
-            unsent[1].extend(delta.logprobs)
-            totals = _totals(backend, job, delta, decoder)
-            rest = stop.feed(decoder.take_rest()) + stop.flush()
-            reason = "stop" if stop.stopped else delta.finish_reason
-            yield _event(builder.chunk(rest, reason, logprobs(), kmesh=totals["kmesh"]))
+            for index in range(n):
+                opening = builder.opening_chunk(index)
+                if opening is not None:
+                    yield _event(opening)
+            (index, delta), finished = first, 0
+            while True:
+                piece = choices[index].add(delta)
+                if delta.finish_reason is not None:
+                    assert piece is not None
+                    finished += 1
+                    reason = choices[index].finish_reason
+                    if finished == n:
+                        totals = _totals(backend, job, choices)
+                        kmesh = totals["kmesh"]
+                        yield _event(builder.chunk(*_fields(piece, index, reason), kmesh=kmesh))
+                        break
+                    yield _event(builder.chunk(*_fields(piece, index, reason)))
+                elif piece is not None:
+                    yield _event(builder.chunk(*_fields(piece, index, None)))
+                index, delta = await anext(deltas)
             if include_usage:
                 yield _event(builder.usage_chunk(totals["usage"]))
         except Exception:
@@ -267,19 +240,28 @@ async def _events(
     yield "data: [DONE]\n\n"
 
 
+def _fields(piece: Piece, index: int, reason: str | None) -> tuple[Any, ...]:
+    """ResponseBuilder.chunk's positional arguments for a piece of choice `index`."""
+    return piece.text, reason, piece.logprobs, index
+
+
 def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _totals(
-    backend: Backend, job: GenerationJob, last: Delta, decoder: IncrementalDecoder
-) -> dict[str, Any]:
-    """`usage` and `kmesh` of a finished job."""
-    assert last.stats is not None, "a backend ended a job without stats"
+def _totals(backend: Backend, job: GenerationJob, choices: list[ChoiceText]) -> dict[str, Any]:
+    """`usage` and `kmesh` of a finished job: its choices' stats, counts summed over them."""
+    stats = []
+    for choice in choices:
+        assert choice.last is not None and choice.last.stats is not None, "a job without stats"
+        stats.append(choice.last.stats)
+    kmesh = {**stats[0], **{k: sum(s.get(k, 0) for s in stats) for k in _SUMMED if k in stats[0]}}
+    if len(choices) > 1:
+        kmesh["branches"] = len(choices)
     family = None if job.kmesh is None else job.kmesh.family
     return {
-        "usage": usage(len(job.prompt_ids), decoder.num_tokens),
-        "kmesh": {**last.stats, "family": family, "engine": backend.engine},
+        "usage": usage(len(job.prompt_ids), sum(len(c.token_ids) for c in choices)),
+        "kmesh": {**kmesh, "family": family, "engine": backend.engine},
     }
 
 

@@ -29,6 +29,32 @@ DEFAULT_COMPLETION_TOKENS = 16
 # (its ratio: --reuse-ratio).
 REUSE_MESSAGES = RecoverySpec(policy="kv_deviation")
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# Sampling fields of OpenAI's or vLLM's server that this one does not implement -> the values
+# that change nothing. Those are accepted (ignored, like any unknown field); any other value is
+# refused, never silently not honoured.
+UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "top_k": (-1, 0),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "stop_token_ids": ([],),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "prompt_logprobs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
 MAX_CHOICES = 16  # n
 
 
@@ -233,10 +259,6 @@ def _check_options(request: GenerationRequest, backend: Backend) -> None:
             "for more completions",
             "n",
         )
-    if request.n > 1 and request.stream:
-        raise RequestFieldError(
-            "n > 1 is not streamed yet: send stream false, or n separate streamed requests", "n"
-        )
     stops = stop_strings(request)
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise RequestFieldError(
@@ -248,6 +270,13 @@ def _check_options(request: GenerationRequest, backend: Backend) -> None:
             "plain text ({'type': 'text'}); leave it out",
             "response_format",
         )
+    for name, neutral in UNSUPPORTED_SAMPLING.items():
+        value = (request.model_extra or {}).get(name)
+        if value is not None and value not in neutral:
+            leave = "leave it out" + (f" (or send {neutral[0]!r})" if neutral else "")
+            raise RequestFieldError(
+                f"{name} is not supported by this server (got {value!r}): {leave}", name
+            )
     if request.tools:
         raise RequestFieldError(
             "tools (function calling) are not supported: leave tools and tool_choice out",

@@ -169,11 +169,11 @@ class ResponseBuilder:
             bodies.append(_choice(content, finish_reason, index, logprobs))
         return {**self._body(self.shape.object, None, extra), "choices": bodies}
 
-    def opening_chunk(self) -> dict[str, Any] | None:
-        """The chunk a stream starts with before any text: chat names the role first."""
+    def opening_chunk(self, index: int = 0) -> dict[str, Any] | None:
+        """The chunk a stream starts each choice with before any text: chat names the role."""
         if not self.shape.is_chat:
             return None
-        choice = _choice({"delta": {"role": "assistant", "content": ""}}, None)
+        choice = _choice({"delta": {"role": "assistant", "content": ""}}, None, index)
         return self._body(self.shape.chunk_object, choice, {})
 
     def chunk(
@@ -181,15 +181,16 @@ class ResponseBuilder:
         text: str,
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
         **extra: Any,
     ) -> dict[str, Any]:
-        """A chunk of new text (and its tokens' logprobs object); the last one has
-        finish_reason, and `extra` (usage, kmesh)."""
+        """A chunk of choice `index`'s new text (and its tokens' logprobs object); its last
+        one has finish_reason; `extra`: kmesh."""
         if self.shape.is_chat:
             content: dict[str, Any] = {"delta": {"content": text} if text else {}}
         else:
             content = {"text": text}
-        choice = _choice(content, finish_reason, 0, logprobs)
+        choice = _choice(content, finish_reason, index, logprobs)
         return self._body(self.shape.chunk_object, choice, extra)
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
