@@ -178,8 +178,14 @@ def _bench_fork(args: argparse.Namespace) -> None:
             f"trunk + reasoning + branch tokens ({context}) exceed the model's context "
             f"({model.config.max_position})"
         )
-    report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=console.log)
-    print_report(report, Console())
+    if args.engine == "vllm":
+        from kmesh.bench.fork_vllm import print_vllm_report, run_vllm_fork_bench
+
+        report = run_vllm_fork_bench(cfg, args.model, progress=console.log)
+        print_vllm_report(report, Console())
+    else:
+        report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=console.log)
+        print_report(report, Console())
     write_json(args.json, report)
 
 
@@ -466,6 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="best-of-N / chain-of-thought / tree search: independent vs prefix cache vs fork",
     )
     fork.add_argument("--mode", choices=["best-of-n", "cot", "tree"], required=True)
+    fork.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="vllm: independent requests vs vLLM's n vs kmesh serve's n, on vLLM",
+    )
     fork.add_argument("--branches", type=int, default=8, help="branches (tree: width per level)")
     fork.add_argument("--trunk-tokens", type=int, default=1024, help="prompt length")
     fork.add_argument("--branch-tokens", type=int, default=32, help="tokens each branch generates")
