@@ -1,0 +1,24 @@
+"""`kmesh bench fork --engine vllm`, small: its accounting against vLLM's own counters."""
+
+import pytest
+
+from kmesh.bench.fork import ForkBenchConfig, ideal_prompt_tokens
+from kmesh.bench.fork_vllm import STRATEGIES, run_vllm_fork_bench
+
+pytestmark = [pytest.mark.model, pytest.mark.vllm]
+
+
+def test_every_strategy_computes_the_context_at_least_once_and_kmesh_samples_as_independent():
+    # A 100-token trunk: three whole 32-token pages and a partial one each branch recomputes.
+    cfg = ForkBenchConfig(mode="tree", branches=2, trunk_tokens=100, branch_tokens=8)
+    report = run_vllm_fork_bench(cfg, progress=lambda _: None)
+    ideal = ideal_prompt_tokens(cfg)
+    assert ideal == 100 + 2 * 8
+    for name in STRATEGIES:
+        row = report["strategies"][name]
+        # 2 node requests of the trunk, 4 leaves of trunk + node: every prompt counted once.
+        assert row["prompt_tokens"] == 2 * 100 + 4 * 108
+        assert ideal <= row["computed_prompt_tokens"] <= row["prompt_tokens"] + 2 * 8
+        assert row["computed_prompt_tokens"] == row["prompt_tokens"] - row["cached_tokens"] + 16
+        assert row["cached_tokens"] >= 96  # the trunk's whole pages, at least once
+    assert report["kmesh_leaves_identical_to_independent"] == 1.0  # same seeds, exact cache
