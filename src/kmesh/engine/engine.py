@@ -165,19 +165,27 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._ended)
 
     def output_ids(self, request_id: str) -> tuple[int, ...]:
-        """Tokens a running or waiting request has generated so far (for streaming); step()
-        returns the whole output when it ends."""
-        return tuple(self._unfinished(request_id).output_ids)
+        """Tokens a running or waiting request has generated so far (for streaming; none for a
+        fork still waiting for its trunk); step() returns the whole output when it ends."""
+        seq = self._unfinished(request_id)
+        return () if seq is None else tuple(seq.output_ids)
 
     def output_logprobs(self, request_id: str) -> tuple[tuple[float, ...], tuple[TopLogprobs, ...]]:
         """The log-probabilities of those tokens, and their top ones (as RequestOutput's)."""
         seq = self._unfinished(request_id)
-        return tuple(seq.output_logprobs), tuple(seq.output_top_logprobs)
+        return (
+            ((), ())
+            if seq is None
+            else (tuple(seq.output_logprobs), tuple(seq.output_top_logprobs))
+        )
 
-    def _unfinished(self, request_id: str) -> Sequence:
+    def _unfinished(self, request_id: str) -> Sequence | None:
+        """The request's sequence; None for a fork whose trunk has not been retained yet."""
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
             if seq.request.request_id == request_id:
                 return seq
+        if any(r.request_id == request_id for q in self._queued_forks.values() for r in q):
+            return None
         raise ContractError(f"request {request_id!r} is not running or waiting")
 
     def step(self) -> list[RequestOutput]:

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 
 from kmesh.errors import KMeshError
 from kmesh.serve.backend import Backend, Delta, GenerationJob
-from kmesh.serve.branches import ChoiceText, Piece, branch_deltas, run_choices
+from kmesh.serve.branches import ChoiceText, Piece, run_choices
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kmesh.serve.schema import (
@@ -152,7 +152,7 @@ async def _respond(
     builder = ResponseBuilder.new(shape, backend.model_id)
     started = time.perf_counter()
     if body.stream:
-        deltas = branch_deltas(backend, job, body.n)
+        deltas = backend.branches(job, body.n)
         # Errors before the first token (the engine refusing the job) are still HTTP errors.
         first = await anext(deltas)
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -90,3 +90,8 @@ class Backend(Protocol):
         """Deltas of one job, the last with finish_reason and stats. Raises a KMeshError for a
         job the engine refuses (the caller's mistake)."""
         ...
+
+    def branches(self, job: GenerationJob, n: int) -> AsyncGenerator[tuple[int, Delta], None]:
+        """(branch index, delta) of the job's `n` choices as they come (seeds job.seed + i),
+        the prompt's work shared between them (kmesh/serve/branches.py)."""
+        ...

@@ -1,9 +1,10 @@
 """A request's `n` choices (kmesh serve): branches of one prompt, streamed or whole.
 
-`branch_deltas` runs them: the first alone until its first token, when its prompt's blocks are
-in the engine's prefix cache; the others then start and reuse them (each computes its prompt's
-partial last block). Branch i samples with seed job.seed + i (None stays None). A branch that
-fails raises out of the iterator; the others are then cancelled.
+Each backend runs them (`Backend.branches`): the reference engine as a family, the trunk once
+and forks copy-on-write; vLLM through `prefix_shared_branches`: the first alone until its first
+token, when its prompt's blocks are in the engine's prefix cache, then the others, which reuse
+them (each computes its prompt's partial last page). Branch i samples with seed job.seed + i
+(None stays None). A branch that fails raises out of the iterator; the others are then cancelled.
 
 `ChoiceText` turns one branch's deltas into what a client sees: text decoded without splitting
 a character and cut at the first stop string, the logprobs of the tokens behind each piece, and
@@ -79,10 +80,11 @@ class ChoiceText:
         )
 
 
-async def branch_deltas(
+async def prefix_shared_branches(
     backend: Backend, job: GenerationJob, n: int
 ) -> AsyncGenerator[tuple[int, Delta], None]:
-    """(branch index, delta) of the job's `n` branches as they come (module docstring)."""
+    """(branch index, delta) of the job's `n` branches as they come, sharing the prompt through
+    the prefix cache (module docstring)."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int) -> None:
@@ -120,7 +122,7 @@ async def run_choices(
 ) -> list[ChoiceText]:
     """The job's `n` choices, whole."""
     choices = [ChoiceText(backend.tokenizer, job, is_chat) for _ in range(n)]
-    async with aclosing(branch_deltas(backend, job, n)) as deltas:
+    async with aclosing(backend.branches(job, n)) as deltas:
         async for index, delta in deltas:
             choices[index].add(delta)
     return choices

@@ -18,7 +18,8 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,10 @@ class EngineStoppedError(RuntimeError):
     """The engine thread stopped after an unexpected error (a bug, or out of memory)."""
 
 
+# The index a family trunk's deltas are posted under (`branches`).
+_TRUNK = -1
+
+
 @dataclass(slots=True)
 class _Live:
     post: Post
@@ -55,6 +60,15 @@ class _Live:
     logprobs: bool = False
     # Output tokens already posted.
     num_sent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Submission:
+    """Requests the engine thread adds together; `family`: (family id, trunk id, branches) to
+    declare first."""
+
+    requests: list[tuple[Request, _Live]]
+    family: tuple[str, str, int] | None = None
 
 
 class ReferenceBackend:
@@ -87,7 +101,7 @@ class ReferenceBackend:
             **engine_options,
         )
         # Requests to add, or None to stop the thread.
-        self._inbox: queue.SimpleQueue[tuple[Request, _Live] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()
         self._request_ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kmesh-engine", daemon=True)
         # Set (under the lock) when the thread died; later requests fail at once.
@@ -103,39 +117,82 @@ class ReferenceBackend:
         self._engine.close()
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
-        params = SamplingParams(**job.sampling(), stop=job.stop, top_logprobs=job.logprobs or 0)
-        request_id = f"serve-{next(self._request_ids)}"
-        request = Request(
-            request_id,
-            job.prompt_ids,
-            params,
-            tenant_salt=job.cache_salt,
-            recovery=self._recovery(job),
-            keep_output=job.kmesh is not None and job.kmesh.keep_output,
-        )
+        async with aclosing(self.branches(job, 1)) as deltas:
+            async for _, delta in deltas:
+                yield delta
+
+    async def branches(self, job: GenerationJob, n: int) -> AsyncGenerator[tuple[int, Delta], None]:
+        """The job's `n` choices. n > 1 is a family: the prompt computed once, as a retained
+        trunk, and each branch forked from it copy-on-write, its first token sampled from the
+        trunk's held logits (seed job.seed + i). Branch 0's last delta carries the trunk's
+        prompt split (computed, reused, restored, recovered, recovery); the others report
+        their prompt reused."""
         loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        deltas: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
 
-        def post(item: Delta | BaseException) -> None:  # on the engine thread
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-                loop.call_soon_threadsafe(deltas.put_nowait, item)
+        def live(index: int, logprobs: bool) -> _Live:
+            def post(item: Delta | BaseException) -> None:  # on the engine thread
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                    loop.call_soon_threadsafe(deltas.put_nowait, (index, item))
 
+            return _Live(post, logprobs)
+
+        submission = self._submission(job, n, live)
         with self._lock:
             if self._failure is not None:
                 raise EngineStoppedError(
                     "the reference engine stopped after an internal error (see the server log): "
                     "restart kmesh serve"
                 ) from self._failure
-            self._inbox.put((request, _Live(post, job.logprobs is not None)))
+            self._inbox.put(submission)
         # NOTE: a caller that stops listening (a closed stream) does not stop the request: the
         # engine has no abort, so it runs to its end and its deltas are dropped.
-        while True:
-            item = await deltas.get()
+        trunk: dict[str, Any] = {}
+        finished = 0
+        while finished < n:
+            index, item = await deltas.get()
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            if index == _TRUNK:
+                trunk = {k: v for k, v in (item.stats or {}).items() if k != "prompt_tokens"}
+                continue
             if item.finish_reason is not None:
-                return
+                finished += 1
+                if index == 0 and trunk:
+                    item = replace(item, stats={**(item.stats or {}), **trunk})
+            yield index, item
+
+    def _submission(
+        self, job: GenerationJob, n: int, live: Callable[[int, bool], "_Live"]
+    ) -> "_Submission":
+        """The engine requests of a job's n choices (`branches`), each with where its deltas go."""
+        base = f"serve-{next(self._request_ids)}"
+        logprobs = job.logprobs is not None
+
+        def params(index: int) -> SamplingParams:
+            seed = None if job.seed is None else job.seed + index
+            sampling = {**job.sampling(), "seed": seed}
+            return SamplingParams(**sampling, stop=job.stop, top_logprobs=job.logprobs or 0)
+
+        recovery = self._recovery(job)
+        if n == 1:
+            keep = job.kmesh is not None and job.kmesh.keep_output
+            request = Request(
+                base, job.prompt_ids, params(0), job.cache_salt, recovery=recovery, keep_output=keep
+            )
+            return _Submission([(request, live(0, logprobs))])
+        trunk_id = f"{base}/trunk"
+        trunk = Request(
+            trunk_id, job.prompt_ids, None, job.cache_salt, retain=True, recovery=recovery
+        )
+        forks = [
+            (
+                Request(f"{base}/{i}", (), params(i), job.cache_salt, parent_id=trunk_id),
+                live(i, logprobs),
+            )
+            for i in range(n)
+        ]
+        return _Submission([(trunk, live(_TRUNK, False)), *forks], (f"{base}/family", trunk_id, n))
 
     def _recovery(self, job: GenerationJob) -> RecoveryRequest | None:
         """The job's recovery over its segments (serve/jobs.py made its prompt from them)."""
@@ -163,7 +220,8 @@ class ReferenceBackend:
         while not self._inbox.empty():
             item = self._inbox.get()
             if item is not None:
-                item[1].post(stopped)
+                for _, waiting in item.requests:
+                    waiting.post(stopped)
 
     def _admit(self, live: dict[str, _Live], *, wait: bool) -> bool:
         """Add queued requests to the engine (waiting for one if asked); False once told to stop."""
@@ -174,13 +232,20 @@ class ReferenceBackend:
                 return True
             if item is None:
                 return False
-            request, waiting = item
             try:
-                self._engine.add_request(request)
+                if item.family is not None:
+                    self._engine.declare_family(*item.family)
+                for request, _ in item.requests:
+                    self._engine.add_request(request)
             except KMeshError as error:
-                waiting.post(error)
+                # NOTE: in practice only the first request is refused (the forks are the
+                # trunk's); any added before it run on unheard, and the family is let go.
+                if item.family is not None:
+                    self._engine.close_family(item.family[0])
+                for _, waiting in item.requests:
+                    waiting.post(error)
             else:
-                live[request.request_id] = waiting
+                live.update((request.request_id, waiting) for request, waiting in item.requests)
             wait = False
 
     def _step(self, live: dict[str, _Live]) -> None:

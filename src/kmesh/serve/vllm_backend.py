@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.serve.backend import Delta, GenerationJob, TokenLogprob
+from kmesh.serve.branches import prefix_shared_branches
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.vllm.config import vllm_engine_kwargs
 
@@ -46,6 +47,9 @@ class VLLMBackend:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+    def branches(self, job: GenerationJob, n: int) -> AsyncGenerator[tuple[int, Delta], None]:
+        return prefix_shared_branches(self, job, n)
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
         from vllm import SamplingParams
