@@ -8,7 +8,9 @@ A request's `kmesh.family` is accepted and echoed; on this engine the family's t
 through the local prefix cache (and the store, with `--store`) like any common prefix, and
 `branches` / `close` have no effect: the reference engine does not pin store entries for a family.
 `kmesh.recovery` with `kmesh.segments` (a round, a policy) is served as vLLM's connector serves
-it (kmesh/recovery/requests.py), with the same stats under `recovery`.
+it (kmesh/recovery/requests.py), with the same stats under `recovery`. A request's `n` > 1
+choices are an engine family of their own: one retained trunk, n copy-on-write forks
+(`branches`).
 """
 
 import asyncio
