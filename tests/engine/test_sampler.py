@@ -49,3 +49,10 @@ def test_top_logprobs_are_the_models_most_likely_tokens_before_the_penalties():
 def test_penalties_out_of_range_are_refused(kwargs):
     with pytest.raises(InvalidRequestError, match="penalty"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("narrow", [{"top_k": 2}, {"min_p": 0.3}])
+def test_top_k_and_min_p_leave_only_the_likeliest_tokens(narrow):
+    params = SamplingParams(temperature=1.0, **narrow)  # softmax of LOGITS: 0.25 / 0.68 at 0 / 3
+    seen = {sample(LOGITS, params, torch.Generator().manual_seed(s))[0] for s in range(200)}
+    assert seen == {0, 3}

@@ -231,8 +231,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_logprobs": 2}, "top_logprobs is a chat field"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "only plain text"),
     ({"prompt": "x", "tools": [{"type": "function"}]}, "tools (function calling)"),
-    ({"prompt": "x", "top_k": 5}, "top_k is not supported by this server (got 5): leave it out"),
-    ({"prompt": "x", "ignore_eos": True}, "ignore_eos is not supported"),
+    ({"prompt": "x", "min_tokens": 5}, "min_tokens is not supported by this server (got 5)"),
+    ({"prompt": "x", "top_k": -2}, "top_k: Input should be greater than or equal to -1"),
+    ({"prompt": "x", "min_p": 2}, "min_p: Input should be less than or equal to 1"),
     ({"prompt": "x", "logit_bias": {"42": 100}}, "logit_bias is not supported"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json is not supported"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty: Input should be less than"),
@@ -322,6 +323,14 @@ def test_fields_openai_clients_send_are_served(client):
         json={"messages": messages, "max_tokens": 4, "temperature": 0, "temperature2": 1},
     )
     assert response.status_code == 200, response.text
+    texts = []
+    for role in ("system", "developer"):  # OpenAI's newer name for system instructions
+        chat = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+        body = {"messages": chat, "max_tokens": 4, "temperature": 0}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
 
 
 @pytest.mark.parametrize("stop", [", 6", [", 6", "never"]])
@@ -374,6 +383,36 @@ def test_n_streamed_choices_are_the_whole_responses_choices(client, path):
     assert reasons == [c["finish_reason"] for c in whole["choices"]]
     assert [c for c in chunks if "kmesh" in c] == [chunks[-1]]
     assert chunks[-1]["kmesh"]["branches"] == 3
+
+
+def test_vllms_extra_sampling_fields_are_honoured(client):
+    chat = {"messages": CHAT, "max_tokens": 40, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=chat).json()
+    assert plain["choices"][0]["finish_reason"] == "stop"  # it says hello and ends
+    endless = client.post("/v1/chat/completions", json={**chat, "ignore_eos": True}).json()
+    assert endless["choices"][0]["finish_reason"] == "length"
+    assert endless["usage"]["completion_tokens"] == 40
+    greedy = complete(client, prompt=SHARED, max_tokens=8)["choices"][0]["text"]
+    for narrow in ({"top_k": 1}, {"min_p": 1.0}):  # only the most likely token is left
+        sampled = complete(client, prompt=SHARED, max_tokens=8, temperature=1.0, seed=5, **narrow)
+        assert sampled["choices"][0]["text"] == greedy
+
+
+def test_tokenize_and_detokenize_answer_as_vllms_server_does(client, backend):
+    tokenized = client.post("/tokenize", json={"prompt": SHARED, "return_token_strs": True}).json()
+    assert tokenized["tokens"] == list(backend.tokenizer(SHARED)["input_ids"])
+    assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"])
+    assert tokenized["max_model_len"] == 8192
+    back = client.post("/detokenize", json={"tokens": tokenized["tokens"]}).json()
+    assert back == {"prompt": SHARED}
+    chat = client.post("/tokenize", json={"messages": CHAT}).json()
+    served = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+    assert chat["count"] == served.json()["usage"]["prompt_tokens"]
+    assert (
+        "not in the model's vocabulary"
+        in refused(client, {"tokens": [10**9]}, "/detokenize")["message"]
+    )
+    assert "send one of prompt" in refused(client, {}, "/tokenize")["message"]
 
 
 def test_penalties_change_what_greedy_picks(client):

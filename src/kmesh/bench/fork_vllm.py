@@ -3,9 +3,9 @@ KMeshConnector, three ways, each under its own cache_salt (no state crosses betw
 
 - independent: every branch its own request, all submitted at once (a caller without KMesh);
 - vllm_n: vLLM's parallel sampling, one request with SamplingParams(n=B) per fork point;
-- kmesh: how `kmesh serve` runs `n` (serve/branches.py::prefix_shared_branches): the first branch alone
-  until its first token, when the fork point's blocks are in the prefix cache, then the others
-  (here through vLLM's AsyncLLM directly, so that generation ignores EOS as in the others).
+- kmesh: how `kmesh serve --engine vllm` runs `n` (serve/branches.py::prefix_shared_branches):
+  the first branch alone until its first token, when the fork point's pages are in the prefix
+  cache, then the others (here on the same AsyncLLM as the other two ways, called directly).
 
 best-of-n: one fork point, the prompt. cot: a trunk request generates `reasoning_tokens` (the
 same in every strategy), then one fork point, prompt + reasoning. tree: the prompt forks into B

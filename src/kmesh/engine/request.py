@@ -21,6 +21,10 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    # Keep only the k most likely tokens (0 or -1: all), and those at least min_p times as likely
+    # as the most likely (0: all), as vLLM does; with temperature > 0 only.
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     # Generation ends after any of these tokens (it is kept in the output). None: the model's
     # end-of-sequence tokens; (): never stop early.
@@ -47,6 +51,10 @@ class SamplingParams:
             )
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (all) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -1,5 +1,6 @@
-"""Pick the next token from logits: greedy, or temperature / top-p with a per-request generator,
-after the sampling penalties vLLM applies (the same definitions, so both engines agree):
+"""Pick the next token from logits: greedy, or temperature then top-k, min-p and top-p with a
+per-request generator, after the sampling penalties vLLM applies (the same definitions, so both
+engines agree):
 - repetition_penalty r (CTRL's): a token seen in the prompt or the output has its logit divided by
   r where positive, multiplied by r where negative;
 - frequency_penalty f and presence_penalty p: a token the output holds c times loses f * c + p
@@ -33,7 +34,13 @@ def sample(
     if params.temperature == 0:
         token = int(torch.argmax(logits))
         return token, float(logprobs[token]), top
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[0])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest set of top tokens whose mass reaches top_p (always at least one).

@@ -1,5 +1,6 @@
 """The HTTP side of `kmesh serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions,
-and Prometheus's /metrics (kmesh/serve/metrics.py).
+vLLM's /tokenize and /detokenize (kmesh/serve/tokens.py), and Prometheus's /metrics
+(kmesh/serve/metrics.py).
 
 Every response carries a top-level `kmesh` object (a stream: on its last content chunk; with
 n > 1, counts summed over the choices):
@@ -25,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from kmesh.errors import KMeshError
@@ -37,20 +39,26 @@ from kmesh.serve.schema import (
     COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
     ResponseBuilder,
     ResponseShape,
+    TokenizeRequest,
     error_body,
     unknown_fields,
     usage,
 )
+from kmesh.serve.tokens import detokenize, tokenize
 from kmesh.state.request_meta import RecoverySpec
 
 logger = logging.getLogger(__name__)
 access = logging.getLogger("kmesh.serve.access")
 
 INTERNAL_ERROR = "internal server error (the server's log has the details); retry or report it"
-ROUTES = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions and GET /metrics"
+ROUTES = (
+    "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, "
+    "POST /detokenize and GET /metrics"
+)
 # A union alternative's place in an error's loc (like "str" or "list[TextPart]"), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool)$|\[")
 # Stats summed over a request's choices (n > 1).
@@ -109,6 +117,16 @@ def create_app(
     async def metrics() -> Response:
         return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        _unknown(body, strict_fields)
+        return tokenize(body, backend)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        _unknown(body, strict_fields)
+        return detokenize(body, backend)
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         _unknown(body, strict_fields)
@@ -124,7 +142,7 @@ def create_app(
     return app
 
 
-def _unknown(body: GenerationRequest, strict: bool) -> None:
+def _unknown(body: BaseModel, strict: bool) -> None:
     """Refuse (strict) or log the body's fields this server does not know."""
     fields = unknown_fields(body)
     if not fields:

@@ -33,14 +33,21 @@ class GenerationJob:
     repetition_penalty: float = 1.0
     # None: no log-probabilities; k: each output token's, and the k most likely tokens' there.
     logprobs: int | None = None
+    # vLLM's: keep the k most likely (0: all), drop those under min_p times the most likely.
+    top_k: int = 0
+    min_p: float = 0.0
+    # Generate max_tokens whatever the model says (end-of-sequence tokens do not stop it).
+    ignore_eos: bool = False
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields both engines' SamplingParams take under these names (stop
-        strings aside: each engine takes them in its own type)."""
+        strings and ignore_eos aside: each engine takes them in its own way)."""
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
             "seed": self.seed,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,

@@ -33,10 +33,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 # that change nothing. Those are accepted (ignored, like any unknown field); any other value is
 # refused, never silently not honoured.
 UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "top_k": (-1, 0),
-    "min_p": (0,),
     "min_tokens": (0,),
-    "ignore_eos": (False,),
     "logit_bias": ({},),
     "best_of": (1,),
     "echo": (False,),
@@ -143,7 +140,7 @@ def chat_job(
             f"model {backend.model_id!r} has no chat template: use /v1/completions", "messages"
         )
     messages = [
-        {"role": m.role, "content": m.text, **({} if m.name is None else {"name": m.name})}
+        {"role": m.template_role, "content": m.text, **({} if m.name is None else {"name": m.name})}
         for m in request.messages
     ]
     if kmesh is None:
@@ -246,13 +243,18 @@ def _single_prompt(prompt: str | list[Any] | None) -> str | None:
     )
 
 
-def _check_options(request: GenerationRequest, backend: Backend) -> None:
-    if request.model is not None and request.model != backend.model_id:
+def check_model(model: str | None, backend: Backend) -> None:
+    """A request's `model`, if given, must be the served one."""
+    if model is not None and model != backend.model_id:
         raise RequestFieldError(
-            f"model {request.model!r} is not served here: this server serves "
+            f"model {model!r} is not served here: this server serves "
             f"{backend.model_id!r} (GET /v1/models); send that or leave model out",
             "model",
         )
+
+
+def _check_options(request: GenerationRequest, backend: Backend) -> None:
+    check_model(request.model, backend)
     if not 1 <= request.n <= MAX_CHOICES:
         raise RequestFieldError(
             f"n must be between 1 and {MAX_CHOICES} (got {request.n}): send several requests "
@@ -341,6 +343,9 @@ def _job(
         max_tokens=min(max_tokens, room),
         temperature=request.temperature,
         top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        ignore_eos=request.ignore_eos,
         seed=request.seed,
         kmesh=kmesh,
         cache_salt=request.cache_salt,

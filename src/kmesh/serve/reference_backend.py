@@ -174,7 +174,10 @@ class ReferenceBackend:
         def params(index: int) -> SamplingParams:
             seed = None if job.seed is None else job.seed + index
             sampling = {**job.sampling(), "seed": seed}
-            return SamplingParams(**sampling, stop=job.stop, top_logprobs=job.logprobs or 0)
+            stop_ids = () if job.ignore_eos else None
+            return SamplingParams(
+                **sampling, stop=job.stop, stop_token_ids=stop_ids, top_logprobs=job.logprobs or 0
+            )
 
         recovery = self._recovery(job)
         if n == 1:

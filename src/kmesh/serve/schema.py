@@ -38,6 +38,11 @@ class GenerationRequest(_Body):
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    # vLLM's extra sampling fields (kmesh/engine/sampler.py): -1 or 0 is every token.
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    # vLLM's: end-of-sequence tokens do not end generation.
+    ignore_eos: bool = False
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,10 +84,15 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
+    # "developer" is OpenAI's newer name for system instructions: the template gets "system".
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     # The speaker's name (OpenAI's): handed to the chat template with the message.
     name: str | None = Field(default=None, min_length=1)
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
     @property
     def text(self) -> str:
@@ -97,6 +107,24 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     # OpenAI's newer name for max_tokens.
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize: a prompt, or chat messages in the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:

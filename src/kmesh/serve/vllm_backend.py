@@ -63,6 +63,7 @@ class VLLMBackend:
             **job.sampling(),
             stop=list(job.stop),
             logprobs=job.logprobs,
+            ignore_eos=job.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,
         )
