@@ -39,6 +39,7 @@ def test_vllm_bench_serve_gets_every_request_served(server, tmp_path, backend, e
     command += ["--prefix-repetition-prefix-len", "128", "--prefix-repetition-suffix-len", "32"]
     command += ["--prefix-repetition-num-prefixes", "2"]
     command += ["--prefix-repetition-output-len", str(OUTPUT_LEN), "--max-concurrency", "4"]
+    command += ["--ignore-eos"]  # every request generates OUTPUT_LEN tokens
     command += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
