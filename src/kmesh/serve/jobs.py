@@ -108,9 +108,8 @@ def chat_job(
     adds for it, tokenized on its own), as `kmesh.messages` declares it, and the request is
     served as a completions request with those segments would be. `reuse` (`kmesh serve
     --reuse-messages`): a chat with no kmesh object under an approximate salt gets this
-    recovery (every message but the last
-    shared, per-request recovery: any message another request of the tenant computed, or
-    generated, is reused)."""
+    recovery, every message but the last shared: any message another request of the tenant
+    computed, or generated, is reused."""
     _check_options(request, backend)
     kmesh = kmesh_params(request)
     if kmesh is None and reuse is not None and _approximate(request.cache_salt):
