@@ -73,13 +73,13 @@ def vllm_engine_kwargs(
 
 def vllm_server_args(kwargs: dict[str, Any]) -> list[str]:
     """`vllm_engine_kwargs` as the command line of vLLM's OpenAI server
-    (`python -m vllm.entrypoints.openai.api_server ARGS`): flags for true values, JSON for
-    dicts."""
+    (`python -m vllm.entrypoints.openai.api_server ARGS`): `--flag` / `--no-flag` for booleans
+    (vLLM's boolean options take both), JSON for dicts, None left out."""
     args: list[str] = []
     for name, value in kwargs.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            args.append(flag)
-        elif value is not False and value is not None:
-            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            args += [f"--{flag}", json.dumps(value) if isinstance(value, dict) else str(value)]
     return args
