@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import openai
+import pytest
 
 from kmesh.serve.process import ServerProcess, start_kmesh_serve
 
@@ -14,3 +15,12 @@ def start_serve(engine: str, log_dir: Path, timeout: float = 120) -> ServerProce
 
 def openai_client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference_server(tmp_path_factory):
+    """`kmesh serve --engine reference` for a module's tests; its log must hold no traceback."""
+    server = start_serve("reference", tmp_path_factory.mktemp("serve"))
+    yield server
+    log = server.stop()
+    assert "Traceback" not in log, log

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.conftest import run_kmesh
-from tests.serve.conftest import openai_client, start_serve
+from tests.serve.conftest import openai_client
 
 pytestmark = pytest.mark.model
 
@@ -17,11 +17,8 @@ TRUNK = (
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_serve("reference", tmp_path_factory.mktemp("serve"))
-    yield server
-    log = server.stop()
-    assert "Traceback" not in log, log
+def server(reference_server):
+    return reference_server
 
 
 def test_a_completion_with_kmesh_segments_through_the_openai_client(server):

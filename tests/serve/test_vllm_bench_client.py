@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from kmesh.compute.embedded import ensure_embedded_model
-from tests.serve.conftest import start_serve
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
@@ -20,11 +19,8 @@ OUTPUT_LEN = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_serve("reference", tmp_path_factory.mktemp("serve"))
-    yield server
-    log = server.stop()
-    assert "Traceback" not in log, log
+def server(reference_server):
+    return reference_server
 
 
 @pytest.mark.parametrize(

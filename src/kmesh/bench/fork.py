@@ -265,18 +265,21 @@ def run_fork_bench(
     }
 
 
-def print_report(report: dict[str, Any], console: Console) -> None:
+def strategy_table(
+    report: dict[str, Any], title: str, extra: dict[str, Callable[[dict[str, Any]], str]]
+) -> Table:
+    """A fork report's table: per strategy, computed prompt tokens against the ideal, then the
+    `extra` columns (header -> cell of a strategy's row), then seconds. Both engines' reports."""
     cfg = report["config"]
     table = Table(
         Column("strategy", no_wrap=True),
         "computed prompt",
         "ideal",
         "ratio",
-        "all computed",
-        "KV peak MiB",
+        *extra,
         "seconds",
         title=(
-            f"bench fork --mode {cfg['mode']}: {cfg['leaves']} leaves, trunk "
+            f"bench fork {title}--mode {cfg['mode']}: {cfg['leaves']} leaves, trunk "
             f"{cfg['trunk_tokens']} tokens, {cfg['branch_tokens']} tokens per branch"
         ),
     )
@@ -286,11 +289,18 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             str(row["computed_prompt_tokens"]),
             str(row["ideal_prompt_tokens"]),
             f"{row['computed_prompt_tokens'] / row['ideal_prompt_tokens']:.2f}",
-            str(row["computed_tokens_total"]),
-            f"{row['kv_bytes_peak'] / 2**20:.1f}",
+            *(cell(row) for cell in extra.values()),
             f"{row['seconds']:.2f}",
         )
-    console.print(table)
+    return table
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    extra = {
+        "all computed": lambda row: str(row["computed_tokens_total"]),
+        "KV peak MiB": lambda row: f"{row['kv_bytes_peak'] / 2**20:.1f}",
+    }
+    console.print(strategy_table(report, "", extra))
     console.print(
         f"fork vs independent: branches identical {report['branches_identical']:.2f}, max logit "
         f"diff {report['max_logit_diff_fork_vs_independent']:.2e}, seconds ratio "

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kmesh.bench.fork import ForkBenchConfig, ideal_prompt_tokens, prompt_ids
+from kmesh.bench.fork import ForkBenchConfig, ideal_prompt_tokens, prompt_ids, strategy_table
 
 STRATEGIES = ("independent", "vllm_n", "kmesh")
 SETTLE_S = 0.5
@@ -210,34 +210,12 @@ def run_vllm_fork_bench(
 
 
 def print_vllm_report(report: dict[str, Any], console: Any) -> None:
-    from rich.table import Column, Table
-
-    cfg = report["config"]
-    table = Table(
-        Column("strategy", no_wrap=True),
-        "computed prompt",
-        "ideal",
-        "ratio",
-        "prompt",
-        "cached",
-        "seconds",
-        title=(
-            f"bench fork --engine vllm --mode {cfg['mode']}: {cfg['leaves']} leaves, trunk "
-            f"{cfg['trunk_tokens']} tokens, {cfg['branch_tokens']} tokens per branch, "
-            f"{cfg['block_size']}-token pages"
-        ),
-    )
-    for name, row in report["strategies"].items():
-        table.add_row(
-            name,
-            str(row["computed_prompt_tokens"]),
-            str(row["ideal_prompt_tokens"]),
-            f"{row['computed_prompt_tokens'] / row['ideal_prompt_tokens']:.2f}",
-            str(row["prompt_tokens"]),
-            str(row["cached_tokens"]),
-            f"{row['seconds']:.2f}",
-        )
-    console.print(table)
+    extra = {
+        "prompt": lambda row: str(row["prompt_tokens"]),
+        "cached": lambda row: str(row["cached_tokens"]),
+    }
+    title = f"--engine vllm ({report['config']['block_size']}-token pages) "
+    console.print(strategy_table(report, title, extra))
     console.print(
         "kmesh leaves identical to independent's (same seeds): "
         f"{report['kmesh_leaves_identical_to_independent']:.2f}"

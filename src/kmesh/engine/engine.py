@@ -170,14 +170,15 @@ class Engine:
         seq = self._unfinished(request_id)
         return () if seq is None else tuple(seq.output_ids)
 
-    def output_logprobs(self, request_id: str) -> tuple[tuple[float, ...], tuple[TopLogprobs, ...]]:
-        """The log-probabilities of those tokens, and their top ones (as RequestOutput's)."""
+    def output_logprobs(
+        self, request_id: str, start: int = 0
+    ) -> tuple[tuple[float, ...], tuple[TopLogprobs, ...]]:
+        """The log-probabilities of those tokens from output position `start` on, and their top
+        ones (as RequestOutput's)."""
         seq = self._unfinished(request_id)
-        return (
-            ((), ())
-            if seq is None
-            else (tuple(seq.output_logprobs), tuple(seq.output_top_logprobs))
-        )
+        if seq is None:
+            return (), ()
+        return tuple(seq.output_logprobs[start:]), tuple(seq.output_top_logprobs[start:])
 
     def _unfinished(self, request_id: str) -> Sequence | None:
         """The request's sequence; None for a fork whose trunk has not been retained yet."""

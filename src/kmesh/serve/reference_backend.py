@@ -263,11 +263,11 @@ class ReferenceBackend:
                 continue
             token_ids = self._engine.output_ids(request_id)
             if len(token_ids) > request.num_sent:
+                sent = request.num_sent
                 logprobs: tuple[TokenLogprob, ...] = ()
                 if request.logprobs:
-                    logprobs = _logprobs(*self._engine.output_logprobs(request_id))
-                sent = request.num_sent
-                request.post(Delta(token_ids[sent:], logprobs=logprobs[sent:]))
+                    logprobs = _logprobs(*self._engine.output_logprobs(request_id, sent))
+                request.post(Delta(token_ids[sent:], logprobs=logprobs))
                 request.num_sent = len(token_ids)
 
 
