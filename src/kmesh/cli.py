@@ -70,6 +70,11 @@ def _serve(args: argparse.Namespace) -> None:
             reuse_messages = REUSE_MESSAGES.model_copy(update={"ratio": args.reuse_ratio})
     elif args.reuse_ratio is not None:
         raise InvalidRequestError("--reuse-ratio needs --reuse-messages")
+    api_keys = None
+    if args.api_keys is not None:
+        from kmesh.serve.tenants import load_api_keys
+
+        api_keys = load_api_keys(args.api_keys)
     listener = _listen(args.host, args.port)
     backend: Backend
     if args.engine == "vllm":
@@ -98,6 +103,7 @@ def _serve(args: argparse.Namespace) -> None:
         on_ready=ready,
         strict_fields=args.strict_fields,
         reuse_messages=reuse_messages,
+        api_keys=api_keys,
     )
     config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])
@@ -637,6 +643,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"
+    )
+    serve.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help='JSON {"API key": "tenant", ...}: requests need `Authorization: Bearer KEY`, and '
+        "state never crosses tenants (default: no keys, one namespace)",
     )
     serve.set_defaults(func=_serve)
 

@@ -2,7 +2,10 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kmesh.serve.backend import EngineLoad
 from kmesh.serve.metrics import ServeMetrics
+
+IDLE = EngineLoad(running=0, waiting=0, kv_usage=0.0, computed_tokens=0)
 
 
 def samples(metrics: ServeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -15,7 +18,7 @@ def samples(metrics: ServeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...
 
 
 def test_a_served_request_counts_its_tokens_and_their_split():
-    metrics = ServeMetrics()
+    metrics = ServeMetrics(lambda: IDLE)
     stats = {
         "prompt_tokens": 100,
         "completion_tokens": 8,
@@ -41,9 +44,21 @@ def test_a_served_request_counts_its_tokens_and_their_split():
 
 
 def test_a_refused_request_counts_under_its_status_only():
-    metrics = ServeMetrics()
+    metrics = ServeMetrics(lambda: IDLE)
     metrics.refused("POST /v1/chat/completions", 400)
     got = samples(metrics)
     route = (("route", "POST /v1/chat/completions"), ("status", "400"))
     assert got[("kmesh_requests_total", route)] == 1
     assert not any(name == "kmesh_tokens_total" for name, _ in got)
+
+
+def test_the_engines_load_is_read_at_each_scrape():
+    loads = iter([EngineLoad(2, 1, 0.25, 300), EngineLoad(0, 0, 0.0, 340)])
+    metrics = ServeMetrics(lambda: next(loads))
+    first, second = samples(metrics), samples(metrics)
+    assert first[("kmesh_engine_running_requests", ())] == 2
+    assert first[("kmesh_engine_waiting_requests", ())] == 1
+    assert first[("kmesh_engine_kv_usage", ())] == 0.25
+    assert first[("kmesh_engine_computed_tokens_total", ())] == 300
+    assert second[("kmesh_engine_running_requests", ())] == 0
+    assert second[("kmesh_engine_computed_tokens_total", ())] == 340

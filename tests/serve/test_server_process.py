@@ -2,11 +2,12 @@
 
 import socket
 
+import httpx
 import openai
 import pytest
 
 from tests.conftest import run_kmesh
-from tests.serve.conftest import openai_client
+from tests.serve.conftest import check_disconnect_freed, disconnect_mid_stream, openai_client
 
 pytestmark = pytest.mark.model
 
@@ -89,3 +90,12 @@ def test_a_taken_port_is_one_clear_line():
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_client_that_closes_its_stream_frees_the_request(server):
+    check_disconnect_freed(disconnect_mid_stream(server.url))
+
+
+def test_health_says_ready(server):
+    response = httpx.get(f"{server.url}/health", timeout=10)
+    assert response.status_code == 200 and response.json()["status"] == "ready"

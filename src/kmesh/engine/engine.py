@@ -161,6 +161,32 @@ class Engine:
         else:
             self._queued_forks[request.parent_id].append(request)
 
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is: waiting, running, a fork waiting for its trunk, or a
+        retained state. Its blocks go back to the pool, its store claims are abandoned and its
+        family membership ends (a trunk whose branches have all ended is released); forks still
+        waiting for it are aborted too. step() returns nothing of it. False when no such request
+        is live (it ended already, or never came)."""
+        seq = next(
+            (
+                s
+                for s in (*self.scheduler.running, *self.scheduler.waiting)
+                if s.request.request_id == request_id
+            ),
+            None,
+        )
+        if seq is not None:
+            self.scheduler.abort(seq)
+        elif any(r.request_id == request_id for q in self._queued_forks.values() for r in q):
+            for queued in self._queued_forks.values():
+                queued[:] = [r for r in queued if r.request_id != request_id]
+        elif request_id not in self._retained:
+            return False
+        for fork in self._queued_forks.pop(request_id, []):
+            self.abort(fork.request_id)
+        self._end(request_id)
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ended)
 
@@ -389,8 +415,8 @@ class Engine:
             trunk = self._retained.pop(trunk_id, None)
             if trunk is not None:
                 self.kv.free(trunk)
-                self._state_salts.pop(trunk_id, None)
-                self._state_adapters.pop(trunk_id, None)
+            self._state_salts.pop(trunk_id, None)
+            self._state_adapters.pop(trunk_id, None)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         assert seq.finish_reason is not None

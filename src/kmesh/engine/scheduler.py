@@ -79,6 +79,15 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop a running or waiting sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self.kv.free(seq)
+
     def retain(self, seq: Sequence) -> None:
         """Stop scheduling a sequence but keep its blocks (pinned) for forks."""
         seq.status = Status.RETAINED

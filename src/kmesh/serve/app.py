@@ -1,6 +1,9 @@
 """The HTTP side of `kmesh serve`: OpenAI's /v1/models, /v1/completions, /v1/chat/completions,
-vLLM's /tokenize and /detokenize (kmesh/serve/tokens.py), and Prometheus's /metrics
-(kmesh/serve/metrics.py).
+vLLM's /tokenize and /detokenize (kmesh/serve/tokens.py), Prometheus's /metrics
+(kmesh/serve/metrics.py), and GET /health: 200 while the engine serves, 503 once it failed (then
+every generation request gets 503 too, with what failed; a restart is needed). With API keys
+(kmesh/serve/tenants.py), every route but /health and /metrics needs a valid bearer key (401
+without), and a request's state is its key's tenant's only.
 
 Every response carries a top-level `kmesh` object (a stream: on its last content chunk; with
 n > 1, counts summed over the choices):
@@ -21,16 +24,17 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from kmesh.errors import KMeshError
-from kmesh.serve.backend import Backend, Delta, GenerationJob
+from kmesh.serve.backend import Backend, Delta, EngineStoppedError, GenerationJob
 from kmesh.serve.branches import ChoiceText, Piece, run_choices
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -48,6 +52,7 @@ from kmesh.serve.schema import (
     unknown_fields,
     usage,
 )
+from kmesh.serve.tenants import ApiKeys, AuthenticationError, tenant_salt
 from kmesh.serve.tokens import detokenize, tokenize
 from kmesh.state.request_meta import RecoverySpec
 
@@ -57,7 +62,7 @@ access = logging.getLogger("kmesh.serve.access")
 INTERNAL_ERROR = "internal server error (the server's log has the details); retry or report it"
 ROUTES = (
     "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, "
-    "POST /detokenize and GET /metrics"
+    "POST /detokenize, GET /metrics and GET /health"
 )
 # A union alternative's place in an error's loc (like "str" or "list[TextPart]"), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool)$|\[")
@@ -85,11 +90,21 @@ def create_app(
     on_ready: Callable[[], None] | None = None,
     strict_fields: bool = False,
     reuse_messages: RecoverySpec | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The server's app; it starts the backend on startup (then calls `on_ready`) and closes
     it on shutdown. `strict_fields`: refuse unknown fields instead of ignoring them.
     `reuse_messages`: the recovery of chat messages without declarations, under approximate
-    salts only (None: no such reuse; kmesh/serve/jobs.py::chat_job)."""
+    salts only (None: no such reuse; kmesh/serve/jobs.py::chat_job). `api_keys`: the keys
+    requests must carry, each a tenant's (None: no keys, one shared namespace)."""
+
+    def tenant(request: Request) -> str | None:
+        """The request's tenant (None without keys); raises AuthenticationError."""
+        if api_keys is None:
+            return None
+        return api_keys.tenant(request.headers.get("authorization"))
+
+    authenticated = [Depends(tenant)]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -102,41 +117,63 @@ def create_app(
             await backend.close()
 
     app = FastAPI(title="kmesh serve", lifespan=lifespan)
-    app.state.metrics = ServeMetrics()
+    app.state.metrics = ServeMetrics(backend.load)
     app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(EngineStoppedError, _engine_stopped)
+    app.add_exception_handler(AuthenticationError, _unauthorized)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(KMeshError, _refused)
     app.add_exception_handler(Exception, _unexpected)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=authenticated)
     async def models() -> dict[str, Any]:
         model = {"id": backend.model_id, "object": "model", "created": 0, "owned_by": "kmesh"}
         return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        failure = backend.failure()
+        if failure is not None:
+            return JSONResponse({"status": "failed", "error": failure}, status_code=503)
+        load = backend.load()
+        return JSONResponse(
+            {
+                "status": "ready",
+                "engine": backend.engine,
+                "running": load.running,
+                "waiting": load.waiting,
+                "kv_usage": load.kv_usage,
+            }
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=authenticated)
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
         _unknown(body, strict_fields)
         return tokenize(body, backend)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=authenticated)
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
         _unknown(body, strict_fields)
         return detokenize(body, backend)
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
+    async def completions(
+        request: Request, body: CompletionRequest, tenant: str | None = Depends(tenant)
+    ) -> Response:
         _unknown(body, strict_fields)
-        job = completion_job(body, backend)
+        job = _of_tenant(completion_job(body, backend), tenant)
         return await _respond(backend, job, COMPLETION, body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(
+        request: Request, body: ChatCompletionRequest, tenant: str | None = Depends(tenant)
+    ) -> Response:
         _unknown(body, strict_fields)
-        job = chat_job(body, backend, reuse_messages)
+        job = _of_tenant(chat_job(body, backend, reuse_messages), tenant)
         return await _respond(backend, job, CHAT, body, request)
 
     return app
@@ -153,6 +190,10 @@ def _unknown(body: BaseModel, strict: bool) -> None:
             f"{fields[0]}: unknown field: remove it (top-level fields: {known})", fields[0]
         )
     logger.info("ignored fields this server does not know: %s", ", ".join(fields))
+
+
+def _of_tenant(job: GenerationJob, tenant: str | None) -> GenerationJob:
+    return job if tenant is None else replace(job, cache_salt=tenant_salt(tenant, job.cache_salt))
 
 
 def _route(request: Request) -> str:
@@ -250,10 +291,11 @@ async def _events(
                 index, delta = await anext(deltas)
             if include_usage:
                 yield _event(builder.usage_chunk(totals["usage"]))
-        except Exception:
+        except Exception as error:
             logger.exception("a streamed request failed")
             totals = {}
-            yield _event(error_body(INTERNAL_ERROR, kind="server_error"))
+            message = str(error) if isinstance(error, EngineStoppedError) else INTERNAL_ERROR
+            yield _event(error_body(message, kind="server_error"))
     done(totals)
     yield "data: [DONE]\n\n"
 
@@ -297,6 +339,16 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     message = f"{exc.detail}: {request.method} {request.url.path}; this server serves {ROUTES}"
     return _error(request, exc.status_code, message)
+
+
+async def _unauthorized(request: Request, exc: Exception) -> JSONResponse:
+    response = _error(request, 401, str(exc), kind="invalid_request_error")
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+async def _engine_stopped(request: Request, exc: Exception) -> JSONResponse:
+    return _error(request, 503, str(exc), kind="server_error")
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

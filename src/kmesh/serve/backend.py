@@ -77,6 +77,23 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine stopped serving after an unexpected error (a bug, out of memory): every request
+    fails until the server is restarted (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the engine is doing now (GET /metrics, GET /health)."""
+
+    running: int  # requests being computed
+    waiting: int  # requests queued for room
+    # Share of the KV cache held by live or retained requests (cached free blocks not counted).
+    kv_usage: float
+    # Token positions run through the model since the start (prefill, decode, recovery).
+    computed_tokens: int
+
+
 class Backend(Protocol):
     # "reference" or "vllm".
     engine: str
@@ -92,6 +109,14 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Stop the engine and release what it holds."""
+
+    def failure(self) -> str | None:
+        """Why the engine stopped serving (it failed; a restart is needed), or None."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """The engine's latest load (updated as it steps)."""
+        ...
 
     def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
         """Deltas of one job, the last with finish_reason and stats. Raises a KMeshError for a

@@ -4,14 +4,20 @@ Counted per finished request (kmesh.serve.app): requests by route and HTTP statu
 generated tokens, and KMesh's split of the prompt tokens (computed, reused from the local prefix
 cache, restored from the store, recovered by KMesh's executor), what recovered rows cost,
 recoveries that fell back to the engine's own prefill, and request seconds. A request refused
-before it ran counts only in `kmesh_requests_total`.
+before it ran counts only in `kmesh_requests_total`. Read from the engine at each scrape: its
+running and waiting requests, the share of its KV cache in use, and the tokens it has computed.
 """
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from kmesh.serve.backend import EngineLoad
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TOKEN_KINDS = ("prompt", "generation", "computed", "reused", "restored", "recovered")
@@ -54,9 +60,35 @@ def request_counts(stats: dict[str, Any]) -> RequestCounts:
     return RequestCounts(tokens, spent, int(bool(recovery.get("fell_back"))))
 
 
+class _EngineCollector(Collector):
+    def __init__(self, load: Callable[[], EngineLoad]) -> None:
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load()
+        yield GaugeMetricFamily(
+            "kmesh_engine_running_requests", "Requests being computed.", load.running
+        )
+        yield GaugeMetricFamily(
+            "kmesh_engine_waiting_requests", "Requests queued for room.", load.waiting
+        )
+        yield GaugeMetricFamily(
+            "kmesh_engine_kv_usage",
+            "Share of the KV cache held by live or retained requests (0..1).",
+            load.kv_usage,
+        )
+        yield CounterMetricFamily(
+            "kmesh_engine_computed_tokens",
+            "Token positions the engine ran through the model (prefill, decode, recovery).",
+            load.computed_tokens,
+        )
+
+
 class ServeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, load: Callable[[], EngineLoad]) -> None:
+        """`load`: the engine's current load (read at each scrape)."""
         self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(load))
         self.requests = Counter(
             "kmesh_requests",
             "Requests answered, by route and HTTP status.",

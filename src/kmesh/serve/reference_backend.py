@@ -1,8 +1,10 @@
 """`kmesh serve --engine reference`: the reference engine behind the HTTP server.
 
 The engine is synchronous and single-threaded, so one background thread owns it: it takes new
-requests from a thread-safe queue, steps the engine while any request is live, and hands each
-request's new tokens to the asyncio task waiting for them (one asyncio queue per request).
+requests (and aborts) from a thread-safe queue, steps the engine while any request is live, and
+hands each request's new tokens to the asyncio task waiting for them (one asyncio queue per
+request). A request whose caller stops listening (a closed stream) is aborted before the next
+step: its blocks go back to the pool and no more of it is computed.
 
 A request's `kmesh.family` is accepted and echoed; on this engine the family's trunk is shared
 through the local prefix cache (and the store, with `--store`) like any common prefix, and
@@ -28,9 +30,9 @@ from typing import Any
 from kmesh.compute.loader import LoadedModel, load_model
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
-from kmesh.errors import KMeshError
+from kmesh.errors import ContractError, KMeshError
 from kmesh.recovery.jobs import RecoveryRequest, spans_of
-from kmesh.serve.backend import Delta, GenerationJob, TokenLogprob
+from kmesh.serve.backend import Delta, EngineLoad, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.state.request_meta import segment_spans
 
 logger = logging.getLogger(__name__)
@@ -45,10 +47,6 @@ STAT_NAMES = (
 
 # What the engine thread hands a request's task: a delta, or the error that ended it.
 Post = Callable[[Delta | BaseException], None]
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine thread stopped after an unexpected error (a bug, or out of memory)."""
 
 
 # The index a family trunk's deltas are posted under (`branches`).
@@ -71,6 +69,14 @@ class _Submission:
 
     requests: list[tuple[Request, _Live]]
     family: tuple[str, str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    """A submission whose caller went away: its requests to stop, its family to close first."""
+
+    request_ids: tuple[str, ...]
+    family: str | None = None
 
 
 class ReferenceBackend:
@@ -102,13 +108,15 @@ class ReferenceBackend:
             decode=loaded.tokenizer.decode,
             **engine_options,
         )
-        # Requests to add, or None to stop the thread.
-        self._inbox: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()
+        # Requests to add or abort, or None to stop the thread.
+        self._inbox: queue.SimpleQueue[_Submission | _Abort | None] = queue.SimpleQueue()
         self._request_ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kmesh-engine", daemon=True)
         # Set (under the lock) when the thread died; later requests fail at once.
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
+        # Replaced by the engine thread after each step.
+        self._load = EngineLoad(running=0, waiting=0, kv_usage=0.0, computed_tokens=0)
 
     async def start(self) -> None:
         self._thread.start()
@@ -117,6 +125,13 @@ class ReferenceBackend:
         self._inbox.put(None)
         await asyncio.to_thread(self._thread.join)
         self._engine.close()
+
+    def failure(self) -> str | None:
+        with self._lock:
+            return None if self._failure is None else _described(self._failure)
+
+    def load(self) -> EngineLoad:
+        return self._load
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[Delta, None]:
         async with aclosing(self.branches(job, 1)) as deltas:
@@ -142,27 +157,28 @@ class ReferenceBackend:
         submission = self._submission(job, n, live)
         with self._lock:
             if self._failure is not None:
-                raise EngineStoppedError(
-                    "the reference engine stopped after an internal error (see the server log): "
-                    "restart kmesh serve"
-                ) from self._failure
+                raise _failed(self._failure) from self._failure
             self._inbox.put(submission)
-        # NOTE: a caller that stops listening (a closed stream) does not stop the request: the
-        # engine has no abort, so it runs to its end and its deltas are dropped.
         trunk: dict[str, Any] = {}
         finished = 0
-        while finished < n:
-            index, item = await deltas.get()
-            if isinstance(item, BaseException):
-                raise item
-            if index == _TRUNK:
-                trunk = {k: v for k, v in (item.stats or {}).items() if k != "prompt_tokens"}
-                continue
-            if item.finish_reason is not None:
-                finished += 1
-                if index == 0 and trunk:
-                    item = replace(item, stats={**(item.stats or {}), **trunk})
-            yield index, item
+        try:
+            while finished < n:
+                index, item = await deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if index == _TRUNK:
+                    trunk = {k: v for k, v in (item.stats or {}).items() if k != "prompt_tokens"}
+                    continue
+                if item.finish_reason is not None:
+                    finished += 1
+                    if index == 0 and trunk:
+                        item = replace(item, stats={**(item.stats or {}), **trunk})
+                yield index, item
+        finally:
+            if finished < n:  # the caller went away (or the engine refused or failed)
+                ids = tuple(request.request_id for request, _ in submission.requests)
+                family = None if submission.family is None else submission.family[0]
+                self._inbox.put(_Abort(ids, family))
 
     def _submission(
         self, job: GenerationJob, n: int, live: Callable[[int, bool], "_Live"]
@@ -217,14 +233,14 @@ class ReferenceBackend:
             logger.exception("the reference engine failed; failing every live request")
             with self._lock:
                 self._failure = error
-            stopped = EngineStoppedError(f"the reference engine failed: {error}")
+            stopped = _failed(error)
         else:
             stopped = EngineStoppedError("the server is shutting down")
         for request in live.values():
             request.post(stopped)
         while not self._inbox.empty():
             item = self._inbox.get()
-            if item is not None:
+            if isinstance(item, _Submission):
                 for _, waiting in item.requests:
                     waiting.post(stopped)
 
@@ -237,6 +253,10 @@ class ReferenceBackend:
                 return True
             if item is None:
                 return False
+            if isinstance(item, _Abort):
+                self._abort(item, live)
+                wait = not live
+                continue
             try:
                 if item.family is not None:
                     self._engine.declare_family(*item.family)
@@ -253,8 +273,27 @@ class ReferenceBackend:
                 live.update((request.request_id, waiting) for request, waiting in item.requests)
             wait = False
 
+    def _abort(self, abort: _Abort, live: dict[str, _Live]) -> None:
+        if abort.family is not None:
+            with contextlib.suppress(ContractError):  # refused at admission: already let go
+                self._engine.close_family(abort.family)
+        for request_id in abort.request_ids:
+            if live.pop(request_id, None) is not None:
+                self._engine.abort(request_id)
+        self._publish_load()
+
+    def _publish_load(self) -> None:
+        engine = self._engine
+        self._load = EngineLoad(
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            kv_usage=engine.kv.num_blocks_in_use / engine.kv.pool.num_blocks,
+            computed_tokens=engine.counters.computed_tokens,
+        )
+
     def _step(self, live: dict[str, _Live]) -> None:
         ended = {output.request_id: output for output in self._engine.step()}
+        self._publish_load()
         for request_id, request in list(live.items()):
             output = ended.get(request_id)
             if output is not None:
@@ -269,6 +308,17 @@ class ReferenceBackend:
                     logprobs = _logprobs(*self._engine.output_logprobs(request_id, sent))
                 request.post(Delta(token_ids[sent:], logprobs=logprobs))
                 request.num_sent = len(token_ids)
+
+
+def _described(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed(error: BaseException) -> EngineStoppedError:
+    return EngineStoppedError(
+        f"the reference engine failed ({_described(error)}; the server log has the details): "
+        "restart kmesh serve"
+    )
 
 
 def _last_delta(output: RequestOutput, request: _Live) -> Delta:

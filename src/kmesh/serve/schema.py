@@ -66,8 +66,8 @@ class GenerationRequest(_Body):
     user: str | None = None
     # The keyed-state object (family, segments); see kmesh.state.request_meta.
     kmesh: dict[str, Any] | None = None
-    # The tenant: state never crosses salts.
-    cache_salt: str | None = Field(default=None, min_length=1)
+    # A namespace: state never crosses salts (with --api-keys, one within the key's tenant).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=128)
     # vLLM's field: only {"kmesh": {...}}, another way to send the kmesh object.
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -2,15 +2,19 @@
 
 vLLM is imported only when the engine starts (the import alone takes ~20 s on 2 cores). The
 caller's `kmesh` object reaches the connector as the request's `kv_transfer_params["kmesh"]`,
-and the connector's per-request stats come back the same way on the final output.
+and the connector's per-request stats come back the same way on the final output. A job whose
+caller stops listening closes vLLM's generator, which aborts the request in vLLM (its pages
+freed, no more steps). The engine's load comes from a stat logger vLLM calls after each step
+(kmesh/vllm/load_logger.py).
 """
 
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from kmesh.serve.backend import Delta, GenerationJob, TokenLogprob
+from kmesh.serve.backend import Delta, EngineLoad, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.vllm.config import vllm_engine_kwargs
@@ -35,13 +39,30 @@ class VLLMBackend:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_model_len: int = self._engine_kwargs["max_model_len"]
         self._llm: Any = None
+        self._load = EngineLoad(running=0, waiting=0, kv_usage=0.0, computed_tokens=0)
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from kmesh.vllm.load_logger import load_logger
+
         # Its worker (kmesh/vllm/worker.py) attaches recovery to vLLM's own loaded model.
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        self._llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**self._engine_kwargs), stat_loggers=[load_logger(self._set_load)]
+        )
+
+    def _set_load(self, load: EngineLoad) -> None:
+        self._load = load
+
+    def failure(self) -> str | None:
+        if self._llm is None or not self._llm.errored:
+            return None
+        error = self._llm.dead_error
+        return f"{type(error).__name__}: {error}"
+
+    def load(self) -> EngineLoad:
+        return self._load
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -70,15 +91,25 @@ class VLLMBackend:
         prompt: dict[str, Any] = {"prompt_token_ids": list(job.prompt_ids)}
         if job.cache_salt is not None:
             prompt["cache_salt"] = job.cache_salt
-        async for output in self._llm.generate(prompt, params, f"serve-{uuid.uuid4().hex}"):
-            completion = output.outputs[0]
-            token_ids = tuple(completion.token_ids)
-            logprobs = _logprobs(token_ids, completion.logprobs, job.logprobs)
-            if not output.finished:
-                yield Delta(token_ids, logprobs=logprobs)
-                continue
-            stats = _stats(output, len(job.prompt_ids))
-            yield Delta(token_ids, completion.finish_reason, stats, logprobs)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        outputs = self._llm.generate(prompt, params, f"serve-{uuid.uuid4().hex}")
+        try:
+            async with aclosing(outputs):  # closing it early aborts the request in vLLM
+                async for output in outputs:
+                    completion = output.outputs[0]
+                    token_ids = tuple(completion.token_ids)
+                    logprobs = _logprobs(token_ids, completion.logprobs, job.logprobs)
+                    if not output.finished:
+                        yield Delta(token_ids, logprobs=logprobs)
+                        continue
+                    stats = _stats(output, len(job.prompt_ids))
+                    yield Delta(token_ids, completion.finish_reason, stats, logprobs)
+        except EngineDeadError as error:
+            raise EngineStoppedError(
+                f"vLLM's engine failed ({error}; the server log has the details): restart "
+                "kmesh serve"
+            ) from error
 
 
 def _logprobs(token_ids: tuple[int, ...], given: Any, k: int | None) -> tuple[TokenLogprob, ...]:
