@@ -10,7 +10,7 @@ from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.recovery.jobs import RecoveryRequest, spans_of
 from kmesh.serve.app import create_app
-from kmesh.serve.backend import Delta, GenerationJob
+from kmesh.serve.backend import Delta, EngineLoad, GenerationJob
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.serve.jobs import REUSE_MESSAGES, message_segments
 from kmesh.serve.reference_backend import ReferenceBackend
@@ -557,6 +557,12 @@ class FailingBackend:
 
     def branches(self, job: GenerationJob, n: int):
         return prefix_shared_branches(self, job, n)
+
+    def failure(self):
+        return None
+
+    def load(self):
+        return EngineLoad(running=0, waiting=0, kv_usage=0.0, computed_tokens=0)
 
 
 def test_an_unexpected_failure_is_a_short_500_without_details(real_model):

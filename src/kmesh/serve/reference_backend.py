@@ -311,13 +311,13 @@ class ReferenceBackend:
 
 
 def _described(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    """What failed, for clients: the kind of error only (its details are in the server log)."""
+    return f"the reference engine failed ({type(error).__name__})"
 
 
 def _failed(error: BaseException) -> EngineStoppedError:
     return EngineStoppedError(
-        f"the reference engine failed ({_described(error)}; the server log has the details): "
-        "restart kmesh serve"
+        f"{_described(error)}; the server log has the details: restart kmesh serve"
     )
 
 

@@ -58,8 +58,7 @@ class VLLMBackend:
     def failure(self) -> str | None:
         if self._llm is None or not self._llm.errored:
             return None
-        error = self._llm.dead_error
-        return f"{type(error).__name__}: {error}"
+        return f"vLLM's engine failed ({type(self._llm.dead_error).__name__})"
 
     def load(self) -> EngineLoad:
         return self._load
@@ -107,8 +106,8 @@ class VLLMBackend:
                     yield Delta(token_ids, completion.finish_reason, stats, logprobs)
         except EngineDeadError as error:
             raise EngineStoppedError(
-                f"vLLM's engine failed ({error}; the server log has the details): restart "
-                "kmesh serve"
+                f"vLLM's engine failed ({type(error).__name__}); the server log has the "
+                "details: restart kmesh serve"
             ) from error
 
 
