@@ -107,3 +107,36 @@ def test_trunk_released_exactly_once_after_all_branches_in_any_order(n, order):
         assert reg.status("trunk") is StateStatus.READY
         released += reg.end(f"b{i}")
     assert released == ["trunk"]
+
+
+def test_closed_states_are_forgotten_oldest_first_past_the_limit():
+    reg = FamilyRegistry(max_closed=4)
+    for i in range(10):  # families opened and ended, one branch each
+        reg.declare(f"f{i}", f"t{i}", 1)
+        reg.mark_ready(f"t{i}")
+        reg.add_branch(f"t{i}", f"b{i}")
+        reg.end(f"b{i}")
+    assert len(reg) == 4
+    assert [reg.status(f"b{i}") for i in (8, 9)] == [StateStatus.CLOSED] * 2
+    assert reg.status("t0") is None and reg.status("b0") is None
+    with pytest.raises(ContractError, match="never declared"):
+        reg.family("f0")  # forgotten with its trunk
+    with pytest.raises(ContractError, match="unknown state"):
+        reg.check_fork("t0", 1)
+    reg.declare("f0", "t0", 1)  # a forgotten id may be used again
+
+
+def test_a_live_branch_ends_after_its_family_was_forgotten():
+    reg = FamilyRegistry(max_closed=1)
+    reg.declare("f", "trunk", 2)
+    reg.mark_ready("trunk")
+    reg.add_branch("trunk", "b0")
+    reg.close("f")
+    reg.end("trunk")  # released
+    reg.end("other")  # an unknown id: nothing
+    reg.add_state("plain")
+    reg.end("plain")  # pushes the trunk, and its family, out
+    with pytest.raises(ContractError, match="never declared"):
+        reg.family("f")
+    assert reg.end("b0") == []
+    assert reg.status("b0") is StateStatus.CLOSED

@@ -18,6 +18,7 @@ from kmesh.vllm.activated import ACTIVATION_FILE
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
 from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
+from kmesh.vllm import scheduler_side
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -216,6 +217,19 @@ def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
         assert client.stats()["pinned"] == 2
         finish(scheduler, two)
         assert client.stats()["pinned"] == 0
+
+
+def test_past_the_open_family_limit_the_oldest_abandoned_family_is_let_go(store, monkeypatch):
+    monkeypatch.setattr(scheduler_side, "MAX_OPEN_FAMILIES", 2)
+    scheduler = side(store)
+    with StoreClient(store.socket) as client:
+        for i, prompt in enumerate((PROMPT, list(range(200, 211)), list(range(300, 311)))):
+            member = request(f"r{i}", prompt, kmesh={"family": f"f{i}", "branches": 4})
+            scheduler.get_num_new_matched_tokens(member, 0)
+            compute(scheduler, member, len(prompt))
+            finish(scheduler, member)  # 1 of 4 declared branches: the family stays open
+        # f0's trunk (2 blocks) was let go when f2 made three open families; f1's and f2's stay.
+        assert client.stats()["pinned"] == 4
 
 
 APPROXIMATE = {"recovery": {"policy": "kv_deviation", "ratio": 0.3}}

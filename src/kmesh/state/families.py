@@ -1,13 +1,20 @@
 """Families: a trunk state and the branches declared to fork it (trees are families of families).
 
 Pure bookkeeping over state ids. The engine asks it whether a fork is allowed, tells it when states
-become forkable and when branches end, and is told which retained states to release.
+become forkable and when branches end, and is told which retained states to release. Closed states
+are remembered (a fork of one is refused as closed) up to `max_closed`, the oldest forgotten
+first, a trunk with its family: a forgotten id is unknown (a fork of it is refused as unknown)
+and may be used again.
 """
 
 import enum
 from dataclasses import dataclass, field
 
 from kmesh.errors import ContractError
+from kmesh.state.retention import Retention
+
+# Closed states remembered at most (a few hundred bytes each).
+MAX_CLOSED_STATES = 10_000
 
 
 class StateStatus(enum.Enum):
@@ -33,11 +40,16 @@ class FamilyRegistry:
     never has more branches than it declared; a closed state is never READY again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_closed: int = MAX_CLOSED_STATES) -> None:
         self._status: dict[str, StateStatus] = {}
         self._families: dict[str, Family] = {}
         self._family_of_trunk: dict[str, str] = {}
         self._family_of_branch: dict[str, str] = {}
+        self._closed: Retention[str] = Retention(max_closed)
+
+    def __len__(self) -> int:
+        """States remembered (pending, ready or closed)."""
+        return len(self._status)
 
     def status(self, state_id: str) -> StateStatus | None:
         return self._status.get(state_id)
@@ -132,10 +144,11 @@ class FamilyRegistry:
             if self._status.get(current, StateStatus.CLOSED) is StateStatus.CLOSED:
                 continue  # unknown (a plain request) or already ended
             self._status[current] = StateStatus.CLOSED
-            family_id = self._family_of_branch.get(current)
-            if family_id is None:
+            for old in self._closed.add(current):
+                self._forget(old)
+            family = self._families.get(self._family_of_branch.get(current, ""))
+            if family is None:  # not a branch, or its family was forgotten
                 continue
-            family = self._families[family_id]
             family.num_ended += 1
             if family.num_ended == family.num_branches:
                 family.closed = True
@@ -153,3 +166,12 @@ class FamilyRegistry:
         if self._status.get(family.trunk_id) is StateStatus.READY:
             return [family.trunk_id]
         return []
+
+    def _forget(self, state_id: str) -> None:
+        """Forget a closed state, and the family it is the trunk of (a closed trunk takes no
+        more forks; a branch still live then ends without it)."""
+        del self._status[state_id]
+        self._family_of_branch.pop(state_id, None)
+        family_id = self._family_of_trunk.pop(state_id, None)
+        if family_id is not None:
+            del self._families[family_id]

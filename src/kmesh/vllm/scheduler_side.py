@@ -26,7 +26,9 @@ rest computed by the worker half's executor on vLLM's base layers and published 
 keys. While another request of this engine fills a base block it needs, it waits a step.
 
 Families (see kmesh.state.request_meta): the trunk's blocks (the leading shared segments, or the
-whole prompt without segments) are pinned in the store for the family while it is open here.
+whole prompt without segments) are pinned in the store for the family while it is open here. A
+family is open until it is closed, its declared branches have all finished, or it is the oldest of
+more than MAX_OPEN_FAMILIES open ones (abandoned families are let go oldest first).
 """
 
 import logging
@@ -48,6 +50,7 @@ from kmesh.state.request_meta import (
     recovery_refusal,
     segment_spans,
 )
+from kmesh.state.retention import Retention
 from kmesh.store import (
     Hit,
     StoreClient,
@@ -76,6 +79,8 @@ IDLE_WAIT_S = 0.2
 MAX_WAIT_S = 60.0
 # An activated request's rows before its start: base-model KV, computed in full.
 BASE_FILL = RecoverySpec(policy="full")
+# Families held open here at most; past it the oldest is closed (its store pins let go).
+MAX_OPEN_FAMILIES = 10_000
 
 
 @dataclass(slots=True)
@@ -129,6 +134,7 @@ class SchedulerSide:
         self._finished: list[tuple[dict[str, Any], int]] = []
         self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
         self._families: dict[str, int] = defaultdict(int)  # finished requests per open family
+        self._open_families: Retention[str] = Retention(MAX_OPEN_FAMILIES)
         self._family_tenants: dict[str, set[str | None]] = defaultdict(set)
         self.available = store is not None
 
@@ -555,11 +561,16 @@ class SchedulerSide:
         if params.close or (
             params.branches is not None and self._families[family] >= params.branches
         ):
-            del self._families[family]
-            for tenant in self._family_tenants.pop(family, set()):
+            ended = [family]
+        else:
+            ended = self._open_families.add(family)  # the oldest open ones, past the limit
+        for done in ended:
+            del self._families[done]
+            self._open_families.discard(done)
+            for tenant in self._family_tenants.pop(done, set()):
                 if self.available:
                     try:
-                        self._client(tenant).close_family(family)
+                        self._client(tenant).close_family(done)
                     except StoreError as error:
                         self._failed(error)
 
