@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from kmesh import cli_council, cli_lora
+from kmesh import cli_council, cli_load, cli_lora
 from kmesh.errors import InvalidRequestError, KMeshError
 
 
@@ -612,6 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_lora.add_commands(commands, benches)
     cli_council.add_commands(benches)
+    cli_load.add_commands(benches)
     commands.add_parser(
         "vllm", help="vLLM's own command line from this install: kmesh vllm serve|bench serve ..."
     )  # main() hands `kmesh vllm ...` to kmesh.cli_vllm before parsing

@@ -1,0 +1,324 @@
+"""`kmesh bench load`: `kmesh serve` under many concurrent clients, faults and hostile bodies.
+
+On loopback only, bounded in time and count. The bench starts a store (`kmesh store serve`) and
+`kmesh serve --engine E --store S --api-keys K` (two tenants), then:
+
+1. soak: N client tasks send the mix of bench/load_traffic.py until `seconds` have passed; each
+   exchange is timed (first token: the first content chunk of a stream, or the whole answer) and
+   judged against its expectation. Every `sample_s` the server's RSS (its process and children:
+   vLLM's engine core) and the store's bytes are sampled.
+2. cold check: up to `check` of the exact exchanges, drawn at random, are sent again one at a time
+   under a fresh cache_salt (nothing to reuse: a cold engine's answer) and their texts compared.
+3. abandon (`abandon` > 0): that many families and rounds are opened (one member of several
+   declared, never closed), 8 at a time, RSS sampled every `abandon // 20`.
+
+Failures by kind: http_5xx, unexpected_status (a valid request refused, a bad body accepted),
+transport (connection errors, timeouts), bad_stream (a stream without its [DONE]).
+"""
+
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from kmesh.bench.load_traffic import Exchange, encoded, next_exchange, round_member
+from kmesh.serve.process import start_kmesh_serve
+from kmesh.store.client import StoreClient
+from kmesh.store.process import start_store
+
+KEY_A, KEY_B = "kmesh-load-key-a", "kmesh-load-key-b"
+TENANT_KEYS = {KEY_A: "load-a", KEY_B: "load-b"}
+REQUEST_TIMEOUT_S = 300
+ABANDON_CLIENTS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    engine: str
+    clients: int
+    seconds: float
+    check: int = 60
+    abandon: int = 0
+    seed: int = 0
+    sample_s: float = 5.0
+    store_capacity: str = "256M"
+
+
+@dataclass(slots=True)
+class Outcome:
+    kind: str
+    status: int | None
+    failure: str | None
+    first_token_s: float | None
+    total_s: float
+    text: str | None = None
+
+
+async def _exchange(client: httpx.AsyncClient, exchange: Exchange) -> Outcome:
+    """Send one exchange and judge it."""
+    started = time.perf_counter()
+    headers = {"Authorization": f"Bearer {exchange.key}", "Content-Type": "application/json"}
+    streamed = isinstance(exchange.body, dict) and exchange.body.get("stream")
+    first: float | None = None
+    try:
+        request = client.build_request(
+            "POST", exchange.path, content=encoded(exchange), headers=headers
+        )
+        response = await client.send(request, stream=True)
+        try:
+            status = response.status_code
+            if status != 200 or not streamed:
+                payload = await response.aread()
+                first = time.perf_counter() - started
+                text = _whole_text(payload) if status == 200 else None
+                failure = None
+            else:
+                text, failure, first = await _read_stream(response, exchange, started)
+        finally:
+            await response.aclose()
+    except httpx.HTTPError as error:
+        return Outcome(
+            exchange.kind,
+            None,
+            f"transport: {type(error).__name__}",
+            None,
+            time.perf_counter() - started,
+        )
+    total = time.perf_counter() - started
+    if status >= 500:
+        failure = "http_5xx"
+    elif status not in exchange.expect:
+        failure = "unexpected_status"
+    return Outcome(exchange.kind, status, failure, first, total, text)
+
+
+async def _read_stream(
+    response: httpx.Response, exchange: Exchange, started: float
+) -> tuple[str | None, str | None, float | None]:
+    """(text, failure, first-token seconds) of a stream read to its end, or closed early."""
+    pieces: list[str] = []
+    first: float | None = None
+    chunks = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            return "".join(pieces), None, first
+        chunk = json.loads(data)
+        if "error" in chunk:
+            return None, "http_5xx", first
+        if first is None:
+            first = time.perf_counter() - started
+        pieces += [
+            c.get("text") or c.get("delta", {}).get("content") or "" for c in chunk["choices"]
+        ]
+        chunks += 1
+        if exchange.read_chunks is not None and chunks >= exchange.read_chunks:
+            return None, None, first  # the client goes away
+    return None, "bad_stream", first
+
+
+def _whole_text(payload: bytes) -> str:
+    body = json.loads(payload)
+    texts = [c.get("text") if "text" in c else c["message"]["content"] for c in body["choices"]]
+    return "\x1e".join(texts)
+
+
+def _rss_mib(pid: int) -> float:
+    process = psutil.Process(pid)
+    processes = [process, *process.children(recursive=True)]
+    total = 0
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a child that just ended
+            total += p.memory_info().rss
+    return total / 2**20
+
+
+def slope_per_minute(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) samples, per minute (0 with fewer than 2)."""
+    if len(samples) < 2:
+        return 0.0
+    xs, ys = [t for t, _ in samples], [v for _, v in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return (
+        0.0
+        if var == 0
+        else 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    )
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _soak(cfg: LoadConfig, url: str, pid: int, store: str, log: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + cfg.seconds
+    outcomes: list[tuple[Exchange, Outcome]] = []
+    samples: list[dict[str, float]] = []
+    serial = iter(range(10**9))
+    keys = (KEY_A, KEY_B)
+    limits = httpx.Limits(max_connections=cfg.clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+
+        async def worker(index: int) -> None:
+            rng = random.Random(cfg.seed * 1000 + index)
+            while time.monotonic() < deadline:
+                exchange = next_exchange(rng, keys, next(serial))
+                outcomes.append((exchange, await _exchange(client, exchange)))
+
+        async def sampler() -> None:
+            started = time.monotonic()
+            while time.monotonic() < deadline:
+                samples.append(_sample(started, pid, store))
+                last = samples[-1]
+                log(f"load: {last['t']:.0f}s, {len(outcomes)} requests, {last['rss_mib']:.0f} MiB")
+                await asyncio.sleep(cfg.sample_s)
+            samples.append(_sample(started, pid, store))
+
+        await asyncio.gather(sampler(), *(worker(i) for i in range(cfg.clients)))
+    return {"outcomes": outcomes, "samples": samples}
+
+
+def _sample(started: float, pid: int, store: str) -> dict[str, float]:
+    with StoreClient(store) as client:
+        used = client.stats()["used"]
+    return {"t": time.monotonic() - started, "rss_mib": _rss_mib(pid), "store_mib": used / 2**20}
+
+
+async def _cold_check(
+    cfg: LoadConfig, url: str, outcomes: list[tuple[Exchange, Outcome]]
+) -> dict[str, Any]:
+    """The exact exchanges' texts against a cold run of the same body (a fresh salt)."""
+    served = [(e, o) for e, o in outcomes if e.exact and o.status == 200 and o.text is not None]
+    rng = random.Random(cfg.seed)
+    chosen = rng.sample(served, min(cfg.check, len(served)))
+    wrong = []
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+        for exchange, outcome in chosen:
+            body = {**exchange.body, "cache_salt": f"cold-{uuid.uuid4().hex}"}
+            kmesh = body.get("kmesh")
+            if kmesh is not None and "family" in kmesh:  # a family of its own, not the soak's
+                body["kmesh"] = {**kmesh, "family": f"cold-{uuid.uuid4().hex}"}
+            cold = await _exchange(
+                client, Exchange(exchange.kind, exchange.path, body, exchange.key)
+            )
+            if cold.text != outcome.text:
+                wrong.append({"kind": exchange.kind, "served": outcome.text, "cold": cold.text})
+    return {"checked": len(chosen), "wrong": wrong}
+
+
+async def _abandon(cfg: LoadConfig, url: str, pid: int, log: Any) -> dict[str, Any]:
+    """Open `cfg.abandon` families and rounds, one member each, never closed."""
+    key = KEY_A
+    rng = random.Random(cfg.seed)
+    every = max(1, cfg.abandon // 20)
+    samples = [{"opened": 0, "rss_mib": _rss_mib(pid)}]
+    failures: Counter[str] = Counter()
+    opened = iter(range(cfg.abandon))
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+
+        async def worker() -> None:
+            for i in opened:
+                if i % 2:
+                    body = round_member(rng, 10**9 + i)
+                else:
+                    segments = [
+                        {
+                            "text": f"Ticket {i}: the crane is broken.",
+                            "role": "shared",
+                            "id": f"t{i}",
+                        },
+                        {"text": " Fix:"},
+                    ]
+                    body = {
+                        "prompt": "",
+                        "max_tokens": 1,
+                        "kmesh": {"family": f"abandoned-{i}", "branches": 4, "segments": segments},
+                    }
+                outcome = await _exchange(client, Exchange("abandon", "/v1/completions", body, key))
+                if outcome.failure:
+                    failures[outcome.failure] += 1
+                if (i + 1) % every == 0:
+                    samples.append({"opened": i + 1, "rss_mib": _rss_mib(pid)})
+                    log(f"abandon: {i + 1} opened, rss {samples[-1]['rss_mib']:.0f} MiB")
+
+        await asyncio.gather(*(worker() for _ in range(ABANDON_CLIENTS)))
+    samples.sort(key=lambda s: s["opened"])
+    return {"opened": cfg.abandon, "failures": dict(failures), "rss_mib": samples}
+
+
+def run_load_bench(cfg: LoadConfig, log: Any = print) -> dict[str, Any]:
+    """The whole run (module docstring); its report as a JSON-ready dict."""
+    with tempfile.TemporaryDirectory(prefix="kml-") as folder:
+        directory = Path(folder)
+        keys = directory / "keys.json"
+        keys.write_text(json.dumps(TENANT_KEYS))
+        store = start_store(directory, cfg.store_capacity)
+        options = ("--store", store.socket, "--api-keys", str(keys))
+        timeout = 600 if cfg.engine == "vllm" else 180
+        server = start_kmesh_serve(cfg.engine, directory / "serve.log", options, timeout=timeout)
+        try:
+            log(f"load: {cfg.clients} clients for {cfg.seconds:.0f}s on {server.url}")
+            soak = asyncio.run(_soak(cfg, server.url, server.process.pid, store.socket, log))
+            log(f"load: cold check of up to {cfg.check} exact answers")
+            check = asyncio.run(_cold_check(cfg, server.url, soak["outcomes"]))
+            abandoned = None
+            if cfg.abandon:
+                abandoned = asyncio.run(_abandon(cfg, server.url, server.process.pid, log))
+        finally:
+            server_log = server.stop()
+            store.stop()
+    return report(cfg, soak, check, abandoned, server_log)
+
+
+def report(
+    cfg: LoadConfig,
+    soak: dict[str, Any],
+    check: dict[str, Any],
+    abandoned: dict[str, Any] | None,
+    server_log: str,
+) -> dict[str, Any]:
+    outcomes: list[tuple[Exchange, Outcome]] = soak["outcomes"]
+    failures = Counter(o.failure.split(":")[0] for _, o in outcomes if o.failure)
+    firsts = [
+        o.first_token_s for _, o in outcomes if o.first_token_s is not None and o.status == 200
+    ]
+    totals = [o.total_s for _, o in outcomes if o.status == 200 and o.failure is None]
+    samples = soak["samples"]
+    warm = [s for s in samples if s["t"] >= min(60.0, cfg.seconds / 4)]
+    return {
+        "config": asdict(cfg),
+        "requests": len(outcomes),
+        "by_kind": dict(Counter(e.kind for e, _ in outcomes)),
+        "failures": {"http_5xx": failures.pop("http_5xx", 0), **failures},
+        "wrong_exact": len(check["wrong"]),
+        "checked_exact": check["checked"],
+        "wrong_examples": check["wrong"][:5],
+        "latency_s": {
+            "first_token_p50": _quantile(firsts, 0.5),
+            "first_token_p99": _quantile(firsts, 0.99),
+            "total_p50": _quantile(totals, 0.5),
+            "total_p99": _quantile(totals, 0.99),
+        },
+        "rss_mib": samples,
+        "rss_slope_mib_per_min": slope_per_minute([(s["t"], s["rss_mib"]) for s in warm]),
+        "store_slope_mib_per_min": slope_per_minute([(s["t"], s["store_mib"]) for s in warm]),
+        "abandoned": abandoned,
+        "server_tracebacks": server_log.count("Traceback"),
+    }

@@ -1,0 +1,51 @@
+"""`kmesh bench load`: kmesh serve under concurrent clients, disconnects and bad bodies."""
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from kmesh.errors import InvalidRequestError
+
+
+def _bench_load(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.load import LoadConfig, run_load_bench
+    from kmesh.bench.load_report import plot, print_report
+    from kmesh.cli import write_json
+
+    if args.clients < 1 or args.seconds <= 0:
+        raise InvalidRequestError("--clients must be at least 1 and --seconds above 0")
+    if args.check < 0 or args.abandon < 0:
+        raise InvalidRequestError("--check and --abandon must be 0 or more")
+    console = Console(stderr=True)
+    cfg = LoadConfig(args.engine, args.clients, args.seconds, args.check, args.abandon, args.seed)
+    result = run_load_bench(cfg, console.log)
+    print_report(result, report_console())
+    write_json(args.json, result)
+    if args.plot:
+        plot(result, Path(args.plot))
+
+
+def add_commands(benches: Any) -> None:
+    load = benches.add_parser(
+        "load",
+        help="kmesh serve under concurrent clients, disconnects, families, rounds, bad bodies",
+    )
+    load.add_argument("--engine", choices=["reference", "vllm"], default="reference")
+    load.add_argument("--clients", type=int, default=32, help="concurrent clients")
+    load.add_argument("--seconds", type=float, default=600, help="how long the soak runs")
+    load.add_argument(
+        "--check", type=int, default=60, help="exact answers compared with a cold run after"
+    )
+    load.add_argument(
+        "--abandon",
+        type=int,
+        default=0,
+        help="then open this many families and rounds and never close them (RSS figure)",
+    )
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--json", required=True, help="where to write the report")
+    load.add_argument("--plot", default=None, help="where to draw RSS and store bytes")
+    load.set_defaults(func=_bench_load)
