@@ -2,8 +2,11 @@
 to computing on every store failure. Tiny model, real store process."""
 
 import signal
+import threading
+import time
 from pathlib import Path
 
+from kmesh.engine.kv_manager import Admission
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.engine.sequence import Sequence
 from kmesh.state.keys import KeyNamespace, block_key
@@ -67,7 +70,9 @@ def test_a_store_that_dies_between_claim_and_publish_is_dropped_quietly(make_tin
     engine = make_tiny_engine(store=store.socket)
     prompt = PROMPT[:20]  # one full block: the failing publish is its last claim
     seq = Sequence.from_request(Request("r", prompt, PARAMS))
-    assert engine.kv.admit(seq)  # a miss: this engine now leads the prompt's full block
+    assert (
+        engine.kv.admit(seq) is Admission.ADMITTED
+    )  # a miss: this engine now leads the prompt's full block
     store.stop(signal.SIGKILL)
     seq.num_computed = len(prompt)  # as if the runner had computed it
     engine.kv.register_full_blocks(seq)  # the publish fails: no error, the store is dropped
@@ -76,3 +81,69 @@ def test_a_store_that_dies_between_claim_and_publish_is_dropped_quietly(make_tin
     other = tuple(random_tokens(70, seed=12))  # (the block above holds no real KV)
     cold = _run(make_tiny_engine(), prompt=other)
     assert _run(engine, prompt=other).output_ids == cold.output_ids  # it goes on without it
+
+
+def _keys(engine, prompt=PROMPT):
+    seq = Sequence.from_request(Request("probe", prompt, PARAMS))
+    engine.kv.extend_keys(seq, (len(prompt) - 1) // engine.kv.block_size)
+    return [bytes(key) for key in seq.block_keys]
+
+
+def test_a_request_waiting_for_another_engines_blocks_does_not_hold_up_the_others(
+    make_tiny_engine, store
+):
+    cold = _run(make_tiny_engine())
+    engine = make_tiny_engine(store=store.socket)
+    with store.client() as other:
+        assert other.acquire(_keys(engine)).lead  # another engine computes PROMPT's blocks
+        engine.add_request(Request("waits", PROMPT, PARAMS))
+        engine.add_request(Request("goes", tuple(random_tokens(40, seed=13)), PARAMS))
+        done = []
+        while not done:
+            done = [o.request_id for o in engine.step()]
+        assert done == ["goes"]  # it ran to its end while "waits" waited
+        assert [s.request.request_id for s in engine.scheduler.waiting] == ["waits"]
+        other.abandon(_keys(engine))  # the other engine goes away: this one takes over
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    [waited] = outputs
+    assert waited.output_ids == cold.output_ids and waited.stats.computed_tokens == 100
+
+
+def test_a_request_stops_waiting_after_wait_seconds_and_computes(make_tiny_engine, store):
+    cold = _run(make_tiny_engine())
+    engine = make_tiny_engine(store=store.socket)
+    engine.store.wait_seconds = 0.3
+    with store.client() as other:
+        other.acquire(_keys(engine))  # and never publishes
+        started = time.monotonic()
+        out = _run(engine)
+        assert time.monotonic() - started >= 0.3
+        assert out.output_ids == cold.output_ids and out.stats.computed_tokens == 100
+        assert other.stats()["published"] == 0  # it led nothing of what it did not wait for
+
+
+def test_claims_survive_a_model_step_longer_than_the_lease(make_tiny_engine, store_factory):
+    store = store_factory(lease=1.0)
+    engine = make_tiny_engine(store=store.socket)
+    step = engine.runner.step
+
+    def slow_step(batch):
+        time.sleep(2.0)
+        return step(batch)
+
+    engine.runner.step = slow_step
+    seen = {}
+
+    def look_during_the_step():
+        time.sleep(1.5)  # past the lease: only a renewal keeps this engine's claims
+        with store.client() as other:
+            seen["got"] = other.acquire(_keys(engine)[:1])
+
+    looker = threading.Thread(target=look_during_the_step)
+    looker.start()
+    out = _run(engine)
+    looker.join()
+    assert seen["got"].waiting_on == _keys(engine)[0]  # still claimed by the engine
+    assert out.stats.computed_tokens == 100

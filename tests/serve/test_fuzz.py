@@ -12,10 +12,10 @@ import os
 
 import pytest
 import schemathesis
-from schemathesis.core import NotSet
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis.core import NotSet
 
 from kmesh.errors import KMeshError
 from kmesh.serve.app import create_app

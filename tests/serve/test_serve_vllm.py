@@ -1,4 +1,5 @@
-"""`kmesh serve --engine vllm` against `--engine reference`: one family through both servers.
+"""`kmesh serve --engine vllm` against `--engine reference`: one family through both servers,
+both under --api-keys; a stream closed early and tenant isolation on each.
 
 Slow (vLLM starts in about 45 s on 2 cores; the whole module takes 2-3 minutes): select it with
 `pytest -m vllm`, leave it out with `-m "not vllm"`.
@@ -6,9 +7,19 @@ Slow (vLLM starts in about 45 s on 2 cores; the whole module takes 2-3 minutes):
 
 import itertools
 
+import httpx
 import pytest
 
-from tests.serve.conftest import openai_client, start_serve
+from tests.serve.conftest import (
+    KEY_A,
+    check_disconnect_freed,
+    check_tenancy,
+    disconnect_mid_stream,
+    keys_file,
+    openai_client,
+    start_serve,
+    tenancy_observations,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
@@ -45,10 +56,11 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
     """Each engine's responses to the family, sent one after another (engine -> responses)."""
     log_dir = tmp_path_factory.mktemp("serve-vllm")
     results = {}
+    keys = ("--api-keys", str(keys_file(log_dir)))
     for engine in ("vllm", "reference"):
-        server = start_serve(engine, log_dir, timeout=400)
+        server = start_serve(engine, log_dir, timeout=400, options=keys)
         try:
-            client = openai_client(server)
+            client = openai_client(server, KEY_A)
             results[engine] = [
                 client.completions.create(
                     model=MODEL,
@@ -107,10 +119,24 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
                     stream=True,
                 )
             ]
+            headers = {"Authorization": f"Bearer {KEY_A}"}
+            results[f"{engine}-disconnect"] = disconnect_mid_stream(server.url, headers)
+            with httpx.Client(base_url=server.url, timeout=600) as http:
+                results[f"{engine}-tenancy"] = tenancy_observations(http)
         finally:
             log = server.stop()
         assert "Traceback" not in log, log[-5000:]
     return results
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_a_client_that_closes_its_stream_frees_the_request(answers, engine):
+    check_disconnect_freed(answers[f"{engine}-disconnect"])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_a_tenant_never_reuses_or_times_another_tenants_state(answers, engine):
+    check_tenancy(answers[f"{engine}-tenancy"])
 
 
 def test_both_engines_give_the_same_greedy_texts(answers):

@@ -14,11 +14,11 @@ from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import StoreClient
 from kmesh.store.client import write_segment
+from kmesh.vllm import scheduler_side
 from kmesh.vllm.activated import ACTIVATION_FILE
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
 from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
-from kmesh.vllm import scheduler_side
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 

@@ -33,7 +33,7 @@ from kmesh.compute.executor import Executor
 from kmesh.compute.loader import load_model
 from kmesh.compute.tiny import tiny_executor
 from kmesh.engine.engine import Engine
-from kmesh.engine.kv_manager import blocks_for
+from kmesh.engine.kv_manager import Admission, blocks_for
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.engine.sequence import Sequence as EngineSequence
 from kmesh.store import StoreClient
@@ -79,7 +79,7 @@ def _publish_random_blocks(socket_path: str, engine: Engine, prompt: Sequence[in
 def _restore_shm(engine: Engine, prompt: tuple[int, ...]) -> tuple[float, int]:
     seq = EngineSequence.from_request(Request("restore", prompt, SamplingParams(max_tokens=1)))
     started = time.perf_counter()
-    if not engine.kv.admit(seq):
+    if engine.kv.admit(seq) is not Admission.ADMITTED:
         raise RuntimeError("the engine's cache cannot hold the prompt")
     seconds = time.perf_counter() - started
     restored = seq.num_restored

@@ -32,6 +32,9 @@ from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.state.families import FamilyRegistry
 from kmesh.state.request_meta import recovery_refusal
 
+# How long a step waits when every waiting request waits for another engine's blocks.
+STORE_POLL_S = 0.02
+
 
 @dataclass(slots=True)
 class EngineCounters:
@@ -221,6 +224,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.seqs:
             self._run(batch)
+        elif self.scheduler.num_store_waits and not self._ended:
+            time.sleep(STORE_POLL_S)  # only requests waiting for another engine's blocks
         elif not self._ended:
             raise OutOfBlocksError(
                 "no waiting request fits in the KV cache even with nothing running (retained "
@@ -234,7 +239,11 @@ class Engine:
         self.counters.peak_blocks_in_use = max(
             self.counters.peak_blocks_in_use, self.kv.num_blocks_in_use
         )
-        logits = self.runner.step(batch)
+        if self.store is None:
+            logits = self.runner.step(batch)
+        else:
+            with self.store.leases_renewed():  # a long prefill keeps its store claims
+                logits = self.runner.step(batch)
         for seq, row in zip(batch.seqs, logits, strict=True):
             self.kv.register_full_blocks(seq)
             if seq.request.params is None or seq.finish_reason is not None:

@@ -1,8 +1,10 @@
 """Block tables for sequences: allocation, exact prefix reuse, registration and release.
 
-Wires the ref-counted BlockPool to the PrefixIndex; the scheduler only sees yes/no answers and
-the number of reused tokens.
+Wires the ref-counted BlockPool to the PrefixIndex; the scheduler only sees whether a sequence
+was admitted (or why not) and the number of reused tokens.
 """
+
+import enum
 
 from kmesh.engine.sequence import Sequence
 from kmesh.engine.store_link import StoreLink
@@ -13,6 +15,12 @@ from kmesh.state.keys import KeyNamespace, activated_adapter, extend_adapter_blo
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+class Admission(enum.Enum):
+    ADMITTED = "admitted"
+    NO_ROOM = "no room"  # the pool cannot hold it now
+    WAIT = "wait"  # another engine computes its next block: ask again at a later step
 
 
 class KVCacheManager:
@@ -56,10 +64,9 @@ class KVCacheManager:
         base, adapted = self._namespace(seq, False), self._namespace(seq, True)
         extend_adapter_block_keys(seq.block_keys, base, adapted, tokens, self.block_size, start)
 
-    def admit(self, seq: Sequence) -> bool:
-        """Give a waiting sequence its block table, reusing cached full blocks of its prefix.
-
-        Returns False (changing nothing) when the pool cannot hold it now.
+    def admit(self, seq: Sequence) -> Admission:
+        """Give a waiting sequence its block table, reusing cached full blocks of its prefix and
+        restoring what the store holds after them. Changes nothing unless ADMITTED.
         NOTE: the last token is always computed (its logits are needed), so the match stops at
         the last full block before it.
         """
@@ -74,17 +81,22 @@ class KVCacheManager:
         num_new = blocks_for(num_tokens, bs) - len(hit_ids)
         hits_on_free_queue = sum(1 for b in hit_ids if self.pool.ref_count(b) == 0)
         if self.pool.num_free < num_new + hits_on_free_queue:
-            return False
+            return Admission.NO_ROOM
+        got = None
+        if self.store is not None:
+            got = self.store.lookup(seq, len(hit_ids), max_hit_blocks)
+            if got is None:
+                return Admission.WAIT
         for block_id in hit_ids:
             self.pool.acquire(block_id)
         seq.block_table = hit_ids + self._allocate(num_new)
         restored = 0
-        if self.store is not None:
-            restored = self.store.restore(seq, len(hit_ids), max_hit_blocks)
+        if self.store is not None and got is not None:
+            restored = self.store.restore(seq, len(hit_ids), got)
         seq.num_computed = (len(hit_ids) + restored) * bs
         seq.num_restored = restored * bs
         seq.num_registered_blocks = len(hit_ids)
-        return True
+        return Admission.ADMITTED
 
     def reserve(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Make room for the sequence's pending tokens: copy-on-write its partly filled last block

@@ -1,16 +1,18 @@
 """Which sequences run in the next step.
 
 Every step runs all running sequences' pending tokens (decode) plus as many waiting sequences as
-fit (prefill), in one batch. When a running sequence finds no free block, the most recently
-admitted sequence is preempted: its blocks are released and it waits again, to be recomputed (its
-cached blocks usually still hit when it comes back). Retained sequences are not scheduled and
-cannot be preempted: their blocks stay pinned until released.
+fit (prefill), in one batch, in arrival order; a sequence whose next blocks another engine is
+computing (the store) is passed over until they are published, and the rest go ahead. When a
+running sequence finds no free block, the most recently admitted sequence is preempted: its
+blocks are released and it waits again, to be recomputed (its cached blocks usually still hit
+when it comes back). Retained sequences are not scheduled and cannot be preempted: their blocks
+stay pinned until released.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from kmesh.engine.kv_manager import KVCacheManager
+from kmesh.engine.kv_manager import Admission, KVCacheManager
 from kmesh.engine.sequence import Sequence, Status
 
 
@@ -29,6 +31,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Waiting sequences the last schedule() left for another engine's blocks.
+        self.num_store_waits = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence: a new one, or a fork that already holds its parent's blocks."""
@@ -51,8 +55,10 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.copies += copies
         budget = self.max_batch_tokens - len(batch.seqs)
-        while self.waiting and len(self.running) < self.max_seqs:
-            seq = self.waiting[0]
+        self.num_store_waits = 0
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_seqs:
+                break
             needed = len(seq.token_ids) - seq.num_computed  # upper bound before prefix hits
             if batch.seqs and needed > budget:
                 break
@@ -61,9 +67,14 @@ class Scheduler:
                 if copies is None:
                     break
                 batch.copies += copies
-            elif not self.kv.admit(seq):
-                break
-            self.waiting.popleft()
+            else:
+                admission = self.kv.admit(seq)
+                if admission is Admission.WAIT:  # the rest may go ahead of it
+                    self.num_store_waits += 1
+                    continue
+                if admission is Admission.NO_ROOM:
+                    break
+            self.waiting.remove(seq)
             # After a preemption this counts again what is recomputed or reused.
             seq.stats.restored_tokens += seq.num_restored
             seq.stats.reused_tokens += min(seq.num_computed, seq.num_prompt) - seq.num_restored
