@@ -105,8 +105,13 @@ class StoreProcess(RunningStore):
         return StoreClient(self.socket, tenant=tenant, timeout=timeout)
 
 
-def start_store(directory: Path, capacity: str = "16M", lease: float | None = None) -> StoreProcess:
-    running = start_running_store(directory, capacity, lease)
+def start_store(
+    directory: Path,
+    capacity: str = "16M",
+    lease: float | None = None,
+    api_keys: Path | None = None,
+) -> StoreProcess:
+    running = start_running_store(directory, capacity, lease, api_keys)
     return StoreProcess(running.socket, running.process, running.log)
 
 
@@ -123,12 +128,14 @@ def store_factory(short_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
     started: list[StoreProcess] = []
     count = 0
 
-    def make(capacity: str = "16M", lease: float | None = None) -> StoreProcess:
+    def make(
+        capacity: str = "16M", lease: float | None = None, api_keys: Path | None = None
+    ) -> StoreProcess:
         nonlocal count
         count += 1
         directory = short_dir / str(count)
         directory.mkdir()
-        store = start_store(directory, capacity, lease)
+        store = start_store(directory, capacity, lease, api_keys)
         started.append(store)
         return store
 

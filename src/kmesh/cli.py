@@ -72,20 +72,26 @@ def _serve(args: argparse.Namespace) -> None:
         raise InvalidRequestError("--reuse-ratio needs --reuse-messages")
     api_keys = None
     if args.api_keys is not None:
-        from kmesh.serve.tenants import load_api_keys
+        from kmesh.state.tenants import load_api_keys
 
         api_keys = load_api_keys(args.api_keys)
+    recovery_bytes = None
+    if args.recovery_bytes is not None:
+        from kmesh.store.server import parse_size
+
+        recovery_bytes = parse_size(args.recovery_bytes, "--recovery-bytes")
     listener = _listen(args.host, args.port)
     backend: Backend
     if args.engine == "vllm":
         from kmesh.serve.vllm_backend import VLLMBackend
 
-        backend = VLLMBackend(args.model, store=args.store)
+        backend = VLLMBackend(args.model, store=args.store, recovery_bytes=recovery_bytes)
         print("kmesh serve: starting vLLM (about a minute on 2 cores)...", flush=True)
     else:
         from kmesh.serve.reference_backend import ReferenceBackend
 
-        backend = ReferenceBackend(args.model, store=args.store)
+        options = {} if recovery_bytes is None else {"recovery_bytes": recovery_bytes}
+        backend = ReferenceBackend(args.model, store=args.store, **options)
     port = listener.getsockname()[1]
 
     def ready() -> None:
@@ -388,14 +394,16 @@ def _bench_vllm_family(args: argparse.Namespace) -> None:
 
 
 def _store_serve(args: argparse.Namespace) -> None:
+    from kmesh.state.tenants import load_api_keys
     from kmesh.store.server import parse_size, serve
 
     capacity = parse_size(args.capacity)
+    api_keys = None if args.api_keys is None else load_api_keys(args.api_keys)
 
     def ready() -> None:
         print(f"kmesh store: listening on {args.socket}, capacity {capacity} bytes", flush=True)
 
-    serve(args.socket, capacity, lease=args.lease, on_ready=ready)
+    serve(args.socket, capacity, lease=args.lease, on_ready=ready, api_keys=api_keys)
 
 
 def agent_counts(text: str | None, flag: str = "--scale", minimum: int = 2) -> list[int]:
@@ -646,6 +654,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"
     )
     serve.add_argument(
+        "--recovery-bytes",
+        default=None,
+        metavar="SIZE",
+        help="what recovery keeps (stored segments, round masters) at most, like 256M "
+        "(default 1G; least recently used dropped first)",
+    )
+    serve.add_argument(
         "--api-keys",
         default=None,
         metavar="FILE",
@@ -668,6 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a leader has to publish or renew before a waiter takes over (default 60)",
+    )
+    store_serve.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help='JSON {"API key": "tenant", ...}: engines give a key (KMESH_STORE_KEY) and see only '
+        "their tenant's entries (default: no keys)",
     )
     store_serve.set_defaults(func=_store_serve)
     return parser

@@ -1,6 +1,7 @@
 """The reference engine with a store: restore on a local miss, publish after computing, fall back
 to computing on every store failure. Tiny model, real store process."""
 
+import json
 import signal
 import threading
 import time
@@ -10,6 +11,7 @@ from kmesh.engine.kv_manager import Admission
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.engine.sequence import Sequence
 from kmesh.state.keys import KeyNamespace, block_key
+from kmesh.store.client import STORE_KEY_ENV
 from kmesh.store.tier import SHM_DIR
 from tests.conftest import random_tokens
 
@@ -147,3 +149,27 @@ def test_claims_survive_a_model_step_longer_than_the_lease(make_tiny_engine, sto
     looker.join()
     assert seen["got"].waiting_on == _keys(engine)[0]  # still claimed by the engine
     assert out.stats.computed_tokens == 100
+
+
+def test_engines_of_two_keys_share_one_store_and_never_each_others_state(
+    make_tiny_engine, store_factory, tmp_path, monkeypatch
+):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"key-of-team-a": "a", "key-of-team-b": "b"}))
+    store = store_factory(api_keys=keys)
+    cold = _run(make_tiny_engine())
+
+    def engine_with(key):
+        if key is None:
+            monkeypatch.delenv(STORE_KEY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(STORE_KEY_ENV, key)
+        return make_tiny_engine(store=store.socket)
+
+    assert _run(engine_with("key-of-team-a")).stats.computed_tokens == 100
+    other = _run(engine_with("key-of-team-b"))  # the same prompt and salt, another key
+    assert other.stats.restored_tokens == 0 and other.output_ids == cold.output_ids
+    assert _run(engine_with("key-of-team-a")).stats.restored_tokens == 96
+    keyless = engine_with(None)
+    out = _run(keyless)  # refused by the store: it computes without it
+    assert out.output_ids == cold.output_ids and not keyless.store.available

@@ -6,7 +6,7 @@ from fastapi.testclient import TestClient
 from kmesh.errors import InvalidRequestError
 from kmesh.serve.app import create_app
 from kmesh.serve.reference_backend import ReferenceBackend
-from kmesh.serve.tenants import load_api_keys, tenant_salt
+from kmesh.state.tenants import load_api_keys, tenant_salt
 from tests.serve.conftest import (
     KEY_A,
     check_tenancy,

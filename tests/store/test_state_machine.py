@@ -1,15 +1,20 @@
 """The store's state machine in-process (no sockets): claims, waiters, promotion, leases."""
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from kmesh.state.tenants import load_api_keys
 from kmesh.store.protocol import (
     Abandon,
     Acquire,
     Acquired,
     Commit,
     Done,
+    Error,
+    Hello,
     Refused,
     Reserve,
     Reserved,
@@ -109,3 +114,37 @@ def test_a_refused_reserve_releases_the_claim_to_a_waiter(store):
     [refused] = [answer for session, answer in out if session is leader]
     assert isinstance(refused, Refused) and refused.code == "too_large"
     assert "claim was released" in refused.reason
+
+
+def _keyed_store(unkeyed: Store, folder: Path) -> Store:
+    """A store on the same tier whose API keys are key-of-a (tenant a) and key-of-b (b)."""
+    (folder / "keys.json").write_text(json.dumps({"key-of-a": "a", "key-of-b": "b"}))
+    return Store(unkeyed.tier, lease=LEASE, api_keys=load_api_keys(folder / "keys.json"))
+
+
+def test_with_api_keys_a_connection_must_say_hello_with_a_known_key(store, tmp_path):
+    keyed = _keyed_store(store, tmp_path)
+    session = keyed.open()
+    [(_, refused)] = _acquire(keyed, session, chain(1, seed=3))
+    assert isinstance(refused, Error) and refused.code == "unauthorized"
+    [(_, refused)] = keyed.handle(session, Hello(key="key-of-nobody", tenant=None), 0.0)
+    assert isinstance(refused, Error) and refused.code == "unauthorized"
+    [(_, done)] = keyed.handle(session, Hello(key="key-of-a", tenant=None), 0.0)
+    assert done == Done()
+    [(_, led)] = _acquire(keyed, session, chain(1, seed=3))
+    assert led == Acquired(lead=1, lease=LEASE)
+
+
+def test_a_keys_tenant_never_sees_another_keys_entries_whatever_tenant_it_names(store, tmp_path):
+    keyed = _keyed_store(store, tmp_path)
+    [key] = chain(1, seed=4)
+    a, b, a_again = keyed.open(), keyed.open(), keyed.open()
+    for session, api_key in ((a, "key-of-a"), (b, "key-of-b"), (a_again, "key-of-a")):
+        keyed.handle(session, Hello(key=api_key, tenant=None), 0.0)
+    _acquire(keyed, a, [key])
+    _publish(keyed, a, key)
+    for named in (None, "x#tenant=a", "#tenant=a"):
+        [(_, got)] = keyed.handle(b, Acquire([key], tenant=named), 0.0)
+        assert isinstance(got, Acquired) and got.hits == [], named
+    [(_, got)] = _acquire(keyed, a_again, [key])
+    assert isinstance(got, Acquired) and len(got.hits) == 1

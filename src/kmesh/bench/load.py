@@ -9,8 +9,9 @@ On loopback only, bounded in time and count. The bench starts a store (`kmesh st
    vLLM's engine core) and the store's bytes are sampled.
 2. cold check: up to `check` of the exact exchanges, drawn at random, are sent again one at a time
    under a fresh cache_salt (nothing to reuse: a cold engine's answer) and their texts compared.
-3. abandon (`abandon` > 0): that many families and rounds are opened (one member of several
-   declared, never closed), 8 at a time, RSS sampled every `abandon // 20`.
+3. abandon (`abandon` > 0): that many families and rounds (every tenth a round: a round's
+   recovery costs about five families here) are opened, one member of several declared, never
+   closed; 32 at a time, RSS sampled every `abandon // 20`.
 
 Failures by kind: http_5xx, unexpected_status (a valid request refused, a bad body accepted),
 transport (connection errors, timeouts), bad_stream (a stream without its [DONE]).
@@ -40,7 +41,7 @@ from kmesh.store.process import start_store
 KEY_A, KEY_B = "kmesh-load-key-a", "kmesh-load-key-b"
 TENANT_KEYS = {KEY_A: "load-a", KEY_B: "load-b"}
 REQUEST_TIMEOUT_S = 300
-ABANDON_CLIENTS = 8
+ABANDON_CLIENTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class LoadConfig:
     seed: int = 0
     sample_s: float = 5.0
     store_capacity: str = "256M"
+    # kmesh serve --recovery-bytes: small enough that recovery's cache is full after warm-up,
+    # so that the RSS slope shows leaks, not a cache filling to its budget.
+    recovery_bytes: str = "128M"
 
 
 @dataclass(slots=True)
@@ -235,7 +239,7 @@ async def _abandon(cfg: LoadConfig, url: str, pid: int, log: Any) -> dict[str, A
 
         async def worker() -> None:
             for i in opened:
-                if i % 2:
+                if i % 10 == 9:
                     body = round_member(rng, 10**9 + i)
                 else:
                     segments = [
@@ -271,6 +275,7 @@ def run_load_bench(cfg: LoadConfig, log: Any = print) -> dict[str, Any]:
         keys.write_text(json.dumps(TENANT_KEYS))
         store = start_store(directory, cfg.store_capacity)
         options = ("--store", store.socket, "--api-keys", str(keys))
+        options += ("--recovery-bytes", cfg.recovery_bytes)
         timeout = 600 if cfg.engine == "vllm" else 180
         server = start_kmesh_serve(cfg.engine, directory / "serve.log", options, timeout=timeout)
         try:

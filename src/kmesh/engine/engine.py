@@ -29,6 +29,7 @@ from kmesh.engine.stop_strings import first_stop
 from kmesh.engine.store_link import StoreLink
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.kv_cache import PagedKVCache
+from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
 from kmesh.state.families import FamilyRegistry
 from kmesh.state.request_meta import recovery_refusal
 
@@ -58,6 +59,7 @@ class Engine:
         store: socket of a `kmesh store serve` process: prompt blocks the local cache misses are
             restored from it, and blocks this engine computes first are published to it.
         adapters: LoRA adapters requests may name (`Request.adapter`), by their names.
+        recovery_bytes: what recovery keeps (stored segments, masters) at most.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class Engine:
         store: str | None = None,
         adapters: Iterable[LoraAdapter] = (),
         decode: Callable[[list[int]], str] | None = None,
+        recovery_bytes: int = DEFAULT_RECOVERY_BYTES,
     ) -> None:
         """`decode`: token ids to text (the tokenizer's), for requests with stop strings."""
         if block_size < 1 or kv_cache_tokens < block_size:
@@ -93,7 +96,7 @@ class Engine:
             num_blocks, block_size, model_fingerprint, prefix_caching, self.store
         )
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_seqs)
-        self.runner = ModelRunner(executor, self.cache, model_fingerprint)
+        self.runner = ModelRunner(executor, self.cache, model_fingerprint, recovery_bytes)
         self.families = FamilyRegistry()
         self.counters = EngineCounters()
         # Outputs of requests that ended since the last step() returned.

@@ -10,14 +10,22 @@ from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 from kmesh.recovery.jobs import RecoverTokens
-from kmesh.recovery.requests import Outcome, RequestRecovery
+from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, Outcome, RequestRecovery
 
 
 class ModelRunner:
-    def __init__(self, executor: Executor, cache: PagedKVCache, fingerprint: str) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        cache: PagedKVCache,
+        fingerprint: str,
+        recovery_bytes: int = DEFAULT_RECOVERY_BYTES,
+    ) -> None:
         self.executor = executor
         self.cache = cache
-        self.recovery = RequestRecovery(executor, fingerprint, page_size=cache.block_size)
+        self.recovery = RequestRecovery(
+            executor, fingerprint, recovery_bytes, page_size=cache.block_size
+        )
 
     def step(self, batch: ScheduledBatch) -> torch.Tensor:
         """Do the batch's block copies, fill the rows recovery claims, compute every sequence's

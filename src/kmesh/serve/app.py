@@ -52,9 +52,9 @@ from kmesh.serve.schema import (
     unknown_fields,
     usage,
 )
-from kmesh.serve.tenants import ApiKeys, AuthenticationError, tenant_salt
 from kmesh.serve.tokens import detokenize, tokenize
 from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.tenants import ApiKeys, AuthenticationError, tenant_salt
 
 logger = logging.getLogger(__name__)
 access = logging.getLogger("kmesh.serve.access")

@@ -26,14 +26,21 @@ class VLLMBackend:
     Args:
         model: what to serve.
         store: socket of a `kmesh store serve` process, handed to KMeshConnector.
+        recovery_bytes: what the connector's worker keeps for recovery at most (None: 1 GiB).
     """
 
     engine = "vllm"
 
-    def __init__(self, model: str | Path | None = None, *, store: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        store: str | None = None,
+        recovery_bytes: int | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
 
-        self._engine_kwargs = vllm_engine_kwargs(model, store=store)
+        self._engine_kwargs = vllm_engine_kwargs(model, store=store, recovery_bytes=recovery_bytes)
         path = Path(self._engine_kwargs["model"])
         self.model_id = path.name
         self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -25,7 +25,9 @@ it), StoreRefused (a publish that does not fit: keep the computed state locally)
 
 A leader must publish or abandon each led key before its lease (Acquired.lease seconds) runs
 out; any request, `renew()` included, renews it. A client is one connection: not thread-safe,
-and its claims, pins and families end with it.
+and its claims, pins and families end with it. With `key` (a store started with --api-keys;
+engines take it from the KMESH_STORE_KEY environment variable) it says hello first, and its
+tenant is then a namespace within the key's tenant.
 """
 
 import contextlib
@@ -56,6 +58,7 @@ from kmesh.store.protocol import (
     Done,
     Drop,
     Error,
+    Hello,
     Pin,
     Ping,
     ProtocolError,
@@ -73,6 +76,9 @@ from kmesh.store.protocol import (
     Acquired as AcquiredAnswer,
 )
 from kmesh.store.tier import SHM_DIR
+
+# The API key engines give a store started with --api-keys.
+STORE_KEY_ENV = "KMESH_STORE_KEY"
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -241,7 +247,11 @@ class StoreClient:
     """One connection to a store, on behalf of one tenant (None: the shared namespace)."""
 
     def __init__(
-        self, socket_path: str | os.PathLike[str], tenant: str | None = None, timeout: float = 5.0
+        self,
+        socket_path: str | os.PathLike[str],
+        tenant: str | None = None,
+        timeout: float = 5.0,
+        key: str | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -258,6 +268,8 @@ class StoreClient:
                 f"cannot reach the store at {self.socket_path}: {error}"
             ) from None
         self._sock: socket.socket | None = sock
+        if key is not None:
+            self._count(Hello(key=key, tenant=self.tenant))
 
     def acquire(self, keys: Sequence[bytes], family: str | None = None) -> Acquired:
         """Hits for the published prefix of `keys`, then either the keys this client now leads
@@ -471,15 +483,17 @@ class StoreClient:
 
 class TenantClients:
     """One StoreClient per tenant salt on one socket, opened on first use (the store files
-    entries by tenant, and a client speaks for one)."""
+    entries by tenant, and a client speaks for one), each with the API key in STORE_KEY_ENV if
+    that is set."""
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
+        self.key = os.environ.get(STORE_KEY_ENV) or None
         self._clients: dict[str | None, StoreClient] = {}
 
     def __call__(self, tenant: str | None) -> StoreClient:
         if tenant not in self._clients:
-            self._clients[tenant] = StoreClient(self.socket_path, tenant=tenant)
+            self._clients[tenant] = StoreClient(self.socket_path, tenant=tenant, key=self.key)
         return self._clients[tenant]
 
     def close(self) -> None:

@@ -32,15 +32,22 @@ class StoreProcess:
             return self.process.wait(timeout)
 
 
-def start_store(directory: Path, capacity: str = "16M", lease: float | None = None) -> StoreProcess:
+def start_store(
+    directory: Path,
+    capacity: str = "16M",
+    lease: float | None = None,
+    api_keys: Path | None = None,
+) -> StoreProcess:
     """A store on `directory`/store.sock (a Unix socket path must fit in 107 bytes), logging to
-    `directory`/store.log."""
+    `directory`/store.log; `api_keys`: its --api-keys file."""
     path = directory / "store.sock"
     log = directory / "store.log"
     command = [sys.executable, "-m", "kmesh.cli", "store", "serve"]
     command += ["--socket", str(path), "--capacity", capacity]
     if lease is not None:
         command += ["--lease", str(lease)]
+    if api_keys is not None:
+        command += ["--api-keys", str(api_keys)]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     store = StoreProcess(str(path), process, log)

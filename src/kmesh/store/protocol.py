@@ -58,6 +58,8 @@ ERROR_CODES: Final = {
     "bad_version": "the request's protocol version is not this store's",
     "unknown_op": "the request's type is not one the store knows",
     "internal": "the store failed on this request (connection closed)",
+    "unauthorized": "the store takes API keys: a connection's first request must be a hello with "
+    "a key it knows",
 }
 
 
@@ -129,10 +131,17 @@ class Ping(Request, frozen=True, tag="ping"):
     """Renew this connection's leases."""
 
 
-AnyRequest = Acquire | Reserve | Commit | Abandon | Pin | CloseFamily | Drop | Stats | Ping
+class Hello(Request, frozen=True, tag="hello"):
+    """The connection's API key (a store with --api-keys needs it first): every later request
+    of the connection is its key's tenant's, `tenant` then naming a namespace within it."""
+
+    key: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+
+
+AnyRequest = Acquire | Reserve | Commit | Abandon | Pin | CloseFamily | Drop | Stats | Ping | Hello
 REQUEST_OPS: Final = frozenset(
     str(t.__struct_config__.tag)
-    for t in (Acquire, Reserve, Commit, Abandon, Pin, CloseFamily, Drop, Stats, Ping)
+    for t in (Acquire, Reserve, Commit, Abandon, Pin, CloseFamily, Drop, Stats, Ping, Hello)
 )
 
 

@@ -17,8 +17,12 @@ and no waiter is left behind when a leader dies. A leader's lease is renewed by 
 its session; a session whose lease runs out loses its claims as if it had abandoned them.
 
 Entries are filed under (key, tenant): a tenant's lookup never sees another's entry, claim or
-waiters, so its answers are those of a plain miss. Pins belong to a (session, family):
-`close_family` or the session's end takes them back, so a dead client cannot pin state forever.
+waiters, so its answers are those of a plain miss. With API keys (kmesh/state/tenants.py), a
+connection's first request is a `hello` with a key (anything else, or an unknown key, gets an
+`unauthorized` error), and the key's tenant scopes every later request: the `tenant` a client
+names only subdivides its key's (tenant_salt), so no client can name another key's entries.
+Pins belong to a (session, family): `close_family` or the session's end takes them back, so a
+dead client cannot pin state forever.
 
 `StoreServer` serves a Store on a Unix socket from one thread with `selectors`: non-blocking
 sockets, a read buffer per connection split into frames, a write buffer flushed when writable.
@@ -42,7 +46,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from kmesh.errors import InvalidRequestError, KMeshError
+from kmesh.state.tenants import ApiKeys, tenant_salt
 from kmesh.store.protocol import (
     MAX_FRAME_BYTES,
     Abandon,
@@ -55,11 +62,13 @@ from kmesh.store.protocol import (
     Done,
     Drop,
     Error,
+    Hello,
     HitInfo,
     Pin,
     Ping,
     ProtocolError,
     Refused,
+    Request,
     Reserve,
     Reserved,
     Stats,
@@ -92,6 +101,7 @@ class Session:
     lease_deadline: float = 0.0
     families: dict[str, dict[EntryId, int]] = field(default_factory=dict)  # -> entry serial
     waiting: _Wait | None = None
+    tenant: str | None = None  # its API key's tenant, once it said hello (with API keys)
 
 
 @dataclass(eq=False, slots=True)
@@ -106,11 +116,14 @@ Outbox = list[tuple[Session, AnyAnswer]]
 class Store:
     """Claims, waiters, leases and pins over a tier; see the module docstring."""
 
-    def __init__(self, tier: Tier, lease: float = DEFAULT_LEASE_S) -> None:
+    def __init__(
+        self, tier: Tier, lease: float = DEFAULT_LEASE_S, api_keys: ApiKeys | None = None
+    ) -> None:
         if not lease > 0:  # NaN too
             raise ValueError(f"lease must be positive, got {lease}")
         self.tier = tier
         self.lease = lease
+        self.api_keys = api_keys
         self.sessions: set[Session] = set()
         self._claims: dict[EntryId, _Claim] = {}
         self._waiters: dict[EntryId, list[Session]] = {}
@@ -125,6 +138,11 @@ class Store:
 
     def handle(self, session: Session, request: AnyRequest, now: float) -> Outbox:
         """Answers to send: this session's (unless it now waits) and any it caused others."""
+        if self.api_keys is not None:
+            scoped = self._authorized(session, request)
+            if not isinstance(scoped, Request):
+                return [(session, scoped)]
+            request = scoped
         out: Outbox = []
         session.lease_deadline = now + self.lease
         match request:
@@ -148,9 +166,20 @@ class Store:
                 out.append((session, Done(count=int(self.tier.drop((key, tenant), name)))))
             case Stats():
                 out.append((session, self._stats()))
-            case Ping():
+            case Ping() | Hello():
                 out.append((session, Done()))
         return out
+
+    def _authorized(self, session: Session, request: AnyRequest) -> AnyRequest | AnyAnswer:
+        """The request in its session's tenant, or the answer refusing it."""
+        assert self.api_keys is not None
+        if isinstance(request, Hello):
+            session.tenant = self.api_keys.tenant_of_key(request.key)
+            if session.tenant is None:
+                return Error(code="unauthorized", message="the API key is not valid")
+        elif session.tenant is None:
+            return Error(code="unauthorized", message="send a hello with an API key first")
+        return msgspec.structs.replace(request, tenant=tenant_salt(session.tenant, request.tenant))
 
     def close(self, session: Session, now: float) -> Outbox:
         """The session's connection is gone: stop its wait, release its pins and claims."""
@@ -378,10 +407,14 @@ class StoreServer:
     """A Store served on a Unix socket by one thread (see the module docstring)."""
 
     def __init__(
-        self, socket_path: str | os.PathLike[str], capacity: int, lease: float = DEFAULT_LEASE_S
+        self,
+        socket_path: str | os.PathLike[str],
+        capacity: int,
+        lease: float = DEFAULT_LEASE_S,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.path = Path(socket_path)
-        self.store = Store(SharedMemoryTier(capacity), lease)
+        self.store = Store(SharedMemoryTier(capacity), lease, api_keys)
         self._listener = _listen(self.path)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -544,19 +577,19 @@ class StoreServer:
             self._deliver(self.store.close(conn.session, time.monotonic()))
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--capacity") -> int:
     """Bytes from a size like 1048576, 512K, 512M, 2G or 1T (binary units; a trailing B or iB
-    is allowed)."""
+    is allowed); `flag` names the option in errors."""
     value = text.strip().upper().removesuffix("IB").removesuffix("B")
     unit = value[-1:] if value[-1:] in _SIZE_UNITS else ""
     number = value[: len(value) - len(unit)]
     if not number.isdigit():
         raise InvalidRequestError(
-            f"--capacity takes a size in bytes like 1048576, 512M or 2G; got {text!r}"
+            f"{flag} takes a size in bytes like 1048576, 512M or 2G; got {text!r}"
         )
     size = int(number) * _SIZE_UNITS[unit]
     if size < 1:
-        raise InvalidRequestError(f"--capacity must be at least one byte, got {text!r}")
+        raise InvalidRequestError(f"{flag} must be at least one byte, got {text!r}")
     return size
 
 
@@ -565,12 +598,13 @@ def serve(
     capacity: int,
     lease: float = DEFAULT_LEASE_S,
     on_ready: Callable[[], None] | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> None:
     """Run a store on `socket_path` until SIGTERM or SIGINT; `on_ready` is called once it
-    accepts connections."""
+    accepts connections. `api_keys`: connections must say hello with one (module docstring)."""
     if not lease > 0:  # NaN too
         raise InvalidRequestError(f"--lease must be a positive number of seconds, got {lease}")
-    server = StoreServer(socket_path, capacity, lease)
+    server = StoreServer(socket_path, capacity, lease, api_keys)
     shm = Path("/dev/shm")
     if shm.is_dir():
         stat = os.statvfs(shm)

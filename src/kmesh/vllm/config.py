@@ -23,15 +23,19 @@ DEFAULT_BLOCK_SIZE = 32
 WORKER = "kmesh.vllm.worker.KMeshWorker"
 
 
-def kv_transfer_config(store: str | None) -> dict[str, Any]:
+def kv_transfer_config(store: str | None, recovery_bytes: int | None = None) -> dict[str, Any]:
     """The `kv_transfer_config` that loads KMeshConnector. Without a store the connector only
-    reports per-request stats (reused / computed tokens)."""
+    reports per-request stats (reused / computed tokens); `recovery_bytes`: what its worker
+    keeps for recovery at most (None: its default)."""
+    extra: dict[str, Any] = {"store": store}
+    if recovery_bytes is not None:
+        extra["recovery_bytes"] = recovery_bytes
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store": store},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -39,6 +43,7 @@ def vllm_engine_kwargs(
     model: str | Path | None = None,
     *,
     store: str | None = None,
+    recovery_bytes: int | None = None,
     connector: bool = True,
     max_model_len: int = 8192,
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
@@ -65,7 +70,7 @@ def vllm_engine_kwargs(
         "seed": 0,
     }
     if connector:
-        kwargs["kv_transfer_config"] = kv_transfer_config(store)
+        kwargs["kv_transfer_config"] = kv_transfer_config(store, recovery_bytes)
         kwargs["worker_cls"] = WORKER
     kwargs.update(overrides)
     return kwargs

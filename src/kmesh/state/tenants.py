@@ -1,11 +1,12 @@
-"""Tenants from credentials: `kmesh serve --api-keys FILE`.
+"""Tenants from credentials: `kmesh serve --api-keys FILE` and `kmesh store serve --api-keys FILE`.
 
 The file is a JSON object, API key -> tenant name, e.g. `{"sk-team-a-1": "team-a"}`; several
 keys may name one tenant. With keys set, every route but GET /health and GET /metrics needs
 `Authorization: Bearer KEY` with a key of the file (else 401), and each request runs under its
 key's tenant: the tenant is part of every state key (the prefix cache's, the store's, recovery's),
 so a request never reuses, restores or times another tenant's state, whatever `cache_salt` it
-sends. A client's `cache_salt` only subdivides its own tenant (`tenant_salt`).
+sends. A client's `cache_salt` only subdivides its own tenant (`tenant_salt`). The store does the
+same for the engines that share it (kmesh/store/server.py: a connection says hello with a key).
 
 Keys are held as SHA-256 digests and looked up by digest, so the lookup takes the same time
 whichever key (or non-key) is presented.
@@ -42,10 +43,13 @@ class ApiKeys:
                 "this server needs an API key: send the header `Authorization: Bearer KEY` "
                 "(the OpenAI client's api_key)"
             )
-        tenant = self.tenants.get(_digest(key.strip()))
+        tenant = self.tenant_of_key(key.strip())
         if tenant is None:
             raise AuthenticationError("the API key is not valid: use a key this server was given")
         return tenant
+
+    def tenant_of_key(self, key: str) -> str | None:
+        return self.tenants.get(_digest(key))
 
 
 def tenant_salt(tenant: str, cache_salt: str | None) -> str:
