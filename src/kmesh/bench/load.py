@@ -274,8 +274,10 @@ def run_load_bench(cfg: LoadConfig, log: Any = print) -> dict[str, Any]:
         keys = directory / "keys.json"
         keys.write_text(json.dumps(TENANT_KEYS))
         store = start_store(directory, cfg.store_capacity)
-        options = ("--store", store.socket, "--api-keys", str(keys))
-        options += ("--recovery-bytes", cfg.recovery_bytes)
+        options = (
+            *("--store", store.socket, "--api-keys", str(keys)),
+            *("--recovery-bytes", cfg.recovery_bytes),
+        )
         timeout = 600 if cfg.engine == "vllm" else 180
         server = start_kmesh_serve(cfg.engine, directory / "serve.log", options, timeout=timeout)
         try:

@@ -2,7 +2,7 @@
 vLLM's /tokenize and /detokenize (kmesh/serve/tokens.py), Prometheus's /metrics
 (kmesh/serve/metrics.py), and GET /health: 200 while the engine serves, 503 once it failed (then
 every generation request gets 503 too, with what failed; a restart is needed). With API keys
-(kmesh/serve/tenants.py), every route but /health and /metrics needs a valid bearer key (401
+(kmesh/state/tenants.py), every route but /health and /metrics needs a valid bearer key (401
 without), and a request's state is its key's tenant's only.
 
 Every response carries a top-level `kmesh` object (a stream: on its last content chunk; with
@@ -11,8 +11,9 @@ prompt_tokens, computed_tokens, reused_tokens (local prefix cache), restored_tok
 store), family and engine. A stream carries usage only when `stream_options.include_usage` asks,
 in OpenAI's shape: a last chunk with no choices, before `data: [DONE]`.
 
-A caller's mistake gets HTTP 400 in OpenAI's error shape with a message that says what to change;
-anything else gets 500 and a traceback in the server's log only. Fields the server does not know
+Errors are answered in OpenAI's shape (kmesh/serve/errors.py): 400 for a caller's mistake, with a
+message that says what to change; 500 for anything unexpected, its traceback in the server's log
+only. Fields the server does not know
 are ignored and logged, as vLLM's server does (`strict_fields`: refused with a 400). Each request
 gets one line in the `kmesh.serve.access` log: status, then tokens and reuse, or the error; and
 is counted in /metrics.
@@ -20,22 +21,19 @@ is counted in /metrics.
 
 import json
 import logging
-import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException
 
-from kmesh.errors import KMeshError
 from kmesh.serve.backend import Backend, Delta, EngineStoppedError, GenerationJob
 from kmesh.serve.branches import ChoiceText, Piece, run_choices
+from kmesh.serve.errors import INTERNAL_ERROR, add_error_handlers, route_of
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kmesh.serve.schema import (
@@ -54,18 +52,11 @@ from kmesh.serve.schema import (
 )
 from kmesh.serve.tokens import detokenize, tokenize
 from kmesh.state.request_meta import RecoverySpec
-from kmesh.state.tenants import ApiKeys, AuthenticationError, tenant_salt
+from kmesh.state.tenants import ApiKeys, tenant_salt
 
 logger = logging.getLogger(__name__)
 access = logging.getLogger("kmesh.serve.access")
 
-INTERNAL_ERROR = "internal server error (the server's log has the details); retry or report it"
-ROUTES = (
-    "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, "
-    "POST /detokenize, GET /metrics and GET /health"
-)
-# A union alternative's place in an error's loc (like "str" or "list[TextPart]"), not a field.
-_TYPE_TAG = re.compile(r"^(str|int|float|bool)$|\[")
 # Stats summed over a request's choices (n > 1).
 _SUMMED = (
     "prompt_tokens",
@@ -118,12 +109,7 @@ def create_app(
 
     app = FastAPI(title="kmesh serve", lifespan=lifespan)
     app.state.metrics = ServeMetrics(backend.load)
-    app.add_exception_handler(RequestValidationError, _invalid_body)
-    app.add_exception_handler(EngineStoppedError, _engine_stopped)
-    app.add_exception_handler(AuthenticationError, _unauthorized)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(KMeshError, _refused)
-    app.add_exception_handler(Exception, _unexpected)
+    add_error_handlers(app)
 
     @app.get("/v1/models", dependencies=authenticated)
     async def models() -> dict[str, Any]:
@@ -196,10 +182,6 @@ def _of_tenant(job: GenerationJob, tenant: str | None) -> GenerationJob:
     return job if tenant is None else replace(job, cache_salt=tenant_salt(tenant, job.cache_salt))
 
 
-def _route(request: Request) -> str:
-    return f"{request.method} {request.url.path}"
-
-
 async def _respond(
     backend: Backend,
     job: GenerationJob,
@@ -207,7 +189,7 @@ async def _respond(
     body: GenerationRequest,
     request: Request,
 ) -> Response:
-    route, metrics = _route(request), request.app.state.metrics
+    route, metrics = route_of(request), request.app.state.metrics
     builder = ResponseBuilder.new(shape, backend.model_id)
     started = time.perf_counter()
     if body.stream:
@@ -323,71 +305,3 @@ def _totals(backend: Backend, job: GenerationJob, choices: list[ChoiceText]) -> 
         "usage": usage(len(job.prompt_ids), sum(len(c.token_ids) for c in choices)),
         "kmesh": {**kmesh, "family": family, "engine": backend.engine},
     }
-
-
-async def _invalid_body(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    message, param = describe_validation_errors(exc.errors())
-    return _error(request, 400, message, param)
-
-
-async def _refused(request: Request, exc: Exception) -> JSONResponse:
-    return _error(request, 400, str(exc), getattr(exc, "param", None))
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, HTTPException)
-    message = f"{exc.detail}: {request.method} {request.url.path}; this server serves {ROUTES}"
-    return _error(request, exc.status_code, message)
-
-
-async def _unauthorized(request: Request, exc: Exception) -> JSONResponse:
-    response = _error(request, 401, str(exc), kind="invalid_request_error")
-    response.headers["WWW-Authenticate"] = "Bearer"
-    return response
-
-
-async def _engine_stopped(request: Request, exc: Exception) -> JSONResponse:
-    return _error(request, 503, str(exc), kind="server_error")
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    # NOTE: Starlette re-raises the exception after this response, and uvicorn logs it.
-    return _error(request, 500, INTERNAL_ERROR, kind="server_error")
-
-
-def _error(
-    request: Request,
-    status: int,
-    message: str,
-    param: str | None = None,
-    kind: str = "invalid_request_error",
-) -> JSONResponse:
-    access.info("%s %d %s", _route(request), status, message)
-    request.app.state.metrics.refused(_route(request), status)
-    return JSONResponse(error_body(message, param, kind), status_code=status)
-
-
-def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """One message for pydantic's errors on a request body, and the first field at fault."""
-    problems: list[str] = []
-    # Field -> what each alternative of its type says (a union reports one error per type).
-    wrong: dict[str, list[str]] = {}
-    for error in errors:
-        loc = [str(part) for part in error["loc"][1:] if not _TYPE_TAG.search(str(part))]
-        field = ".".join(loc)
-        kind = error["type"]
-        if kind == "json_invalid":
-            reason = error.get("ctx", {}).get("error", "")
-            problems.append(f"the body is not valid JSON ({reason}): send a JSON object")
-        elif not loc:
-            problems.append(
-                "the body is missing: send a JSON object"
-                if kind == "missing"
-                else "the body must be a JSON object (Content-Type: application/json)"
-            )
-        else:
-            says = wrong.setdefault(field, [])
-            says.append(error["msg"].removeprefix("Input should be ") if says else error["msg"])
-    problems += [f"{field}: {' or '.join(says)}" for field, says in wrong.items()]
-    return "; ".join(problems), next(iter(wrong), None)

@@ -1,0 +1,64 @@
+"""`kmesh bench load`'s pieces without a server: the traffic mix, the judging of answers and the
+report's figures."""
+
+import random
+
+import pytest
+
+from kmesh.bench.load import LoadConfig, Outcome, report, slope_per_minute
+from kmesh.bench.load_traffic import KINDS, next_exchange
+from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest
+
+KEYS = ("key-a", "key-b")
+
+
+def test_the_mix_is_seeded_and_holds_every_kind():
+    rng, again_rng = random.Random(3), random.Random(3)
+    first = [next_exchange(rng, KEYS, i) for i in range(20)]
+    again = [next_exchange(again_rng, KEYS, i) for i in range(20)]
+    assert first == again
+    rng = random.Random(0)
+    kinds = {next_exchange(rng, KEYS, i).kind for i in range(400)}
+    assert kinds == set(KINDS)
+
+
+def test_every_exchange_that_expects_200_is_a_valid_body():
+    rng = random.Random(1)
+    for i in range(200):
+        exchange = next_exchange(rng, KEYS, i)
+        if exchange.expect != (200,):
+            continue
+        model = ChatCompletionRequest if "chat" in exchange.path else CompletionRequest
+        model.model_validate(exchange.body)  # raises if the bench sent a bad one by mistake
+        assert exchange.key in KEYS
+
+
+def test_a_slope_is_per_minute_and_zero_when_flat():
+    assert slope_per_minute([(0.0, 5.0), (60.0, 5.0), (120.0, 5.0)]) == 0
+    assert slope_per_minute([(0.0, 0.0), (30.0, 1.0), (60.0, 2.0)]) == pytest.approx(2.0)
+    assert slope_per_minute([(0.0, 1.0)]) == 0
+
+
+def test_the_report_counts_failures_by_kind_and_reads_latency_from_served_requests():
+    cfg = LoadConfig("reference", clients=2, seconds=120)
+    served = Outcome("plain", 200, None, 0.5, 1.0, "text")
+    outcomes = [
+        (next_exchange(random.Random(i), KEYS, i), outcome)
+        for i, outcome in enumerate(
+            [served] * 8
+            + [
+                Outcome("plain", 503, "http_5xx", 0.1, 0.1),
+                Outcome("bad_body", 200, "unexpected_status", 0.2, 0.2, "x"),
+            ]
+        )
+    ]
+    samples = [{"t": t, "rss_mib": 100.0 + t / 60, "store_mib": 0.0} for t in (0, 30, 60, 90, 120)]
+    wrong = [{"kind": "plain", "served": "a", "cold": "b"}]
+    result = report(
+        cfg, {"outcomes": outcomes, "samples": samples}, {"checked": 5, "wrong": wrong}, None, ""
+    )
+    assert result["requests"] == 10
+    assert result["failures"] == {"http_5xx": 1, "unexpected_status": 1}
+    assert result["wrong_exact"] == 1 and result["checked_exact"] == 5
+    assert result["latency_s"]["total_p50"] == 1.0
+    assert result["rss_slope_mib_per_min"] == pytest.approx(1.0)  # after the warm-up only
