@@ -43,6 +43,13 @@ def test_model_info_names_the_cache_and_config():
         (["bench", "lora", "--agents", "0", "--json", "x.json"], "at least 1"),
         (["bench", "lora", "--context-tokens", "10", "--json", "x.json"], "at least 64"),
         (["adapters", "prepare", "--count", "0"], "--count must be at least 1"),
+        (["serve", "--engine", "reference", "--recovery-bytes", "lots"], "--recovery-bytes takes"),
+        (["serve", "--engine", "reference", "--api-keys", "/no/such/keys"], "--api-keys: cannot"),
+        (
+            ["store", "serve", "--socket", "/tmp/x", "--capacity", "1M", "--api-keys", "/no/keys"],
+            "cannot read",
+        ),
+        (["bench", "load", "--clients", "0", "--json", "x.json"], "--clients must be at least 1"),
     ],
 )
 def test_bad_input_gets_one_clear_line_and_no_traceback(args, message):

@@ -1,6 +1,6 @@
 """How vLLM is started (kmesh/vllm/config.py), without starting it."""
 
-from kmesh.vllm.config import vllm_server_args
+from kmesh.vllm.config import kv_transfer_config, vllm_server_args
 
 
 def test_engine_kwargs_become_vllm_server_flags():
@@ -16,3 +16,9 @@ def test_engine_kwargs_become_vllm_server_flags():
         "--kv-transfer-config",
         '{"kv_connector": "KMeshConnector"}',
     ]
+
+
+def test_the_recovery_budget_reaches_the_connector_only_when_given():
+    assert "recovery_bytes" not in kv_transfer_config(None)["kv_connector_extra_config"]
+    extra = kv_transfer_config("/s.sock", 1 << 27)["kv_connector_extra_config"]
+    assert extra == {"store": "/s.sock", "recovery_bytes": 1 << 27}
