@@ -56,3 +56,28 @@ def test_top_k_and_min_p_leave_only_the_likeliest_tokens(narrow):
     params = SamplingParams(temperature=1.0, **narrow)  # softmax of LOGITS: 0.25 / 0.68 at 0 / 3
     seen = {sample(LOGITS, params, torch.Generator().manual_seed(s))[0] for s in range(200)}
     assert seen == {0, 3}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 1e-300},  # greedy, as vLLM reads it
+        {"temperature": 1e-4, "repetition_penalty": 1e-300},  # seen logits pushed to +-inf
+        {"temperature": 1.0, "repetition_penalty": 1e300, "top_k": 1},
+        {"temperature": 1e300, "min_p": 1.0},
+        {"temperature": 0.5, "top_p": 1e-300, "presence_penalty": 2.0},
+    ],
+)
+def test_extreme_sampling_values_pick_a_token_instead_of_failing(fields):
+    params = SamplingParams(max_tokens=1, seed=0, **fields)
+    generator = torch.Generator().manual_seed(0)
+    token, logprob, _ = sample(LOGITS, params, generator, prompt_ids=[0, 1, 2, 3, 4])
+    assert 0 <= token < len(LOGITS) and logprob <= 0
+
+
+def test_nan_logits_are_never_sampled_and_all_nan_still_gives_a_token():
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+    nan = torch.tensor([float("nan")] * 3 + [1.0, float("nan")])
+    assert sample(nan, params, torch.Generator().manual_seed(0))[0] == 3
+    all_nan = torch.full((5,), float("nan"))  # every token ruled out
+    assert 0 <= sample(all_nan, params, torch.Generator().manual_seed(0))[0] < 5

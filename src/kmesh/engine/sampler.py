@@ -5,6 +5,9 @@ engines agree):
   r where positive, multiplied by r where negative;
 - frequency_penalty f and presence_penalty p: a token the output holds c times loses f * c + p
   (p once it appears at all).
+A temperature under GREEDY_BELOW is greedy, as vLLM's. Extreme values never fail: a logit pushed
+to +inf (a tiny penalty or temperature) counts as the largest finite one, NaN as -inf, and when
+every token is ruled out the most likely penalized one is taken.
 """
 
 from collections.abc import Sequence
@@ -12,6 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from kmesh.engine.request import SamplingParams, TopLogprobs
+
+# vLLM's _SAMPLING_EPS: a smaller temperature samples greedily.
+GREEDY_BELOW = 1e-5
 
 
 def sample(
@@ -30,11 +36,11 @@ def sample(
     if params.top_logprobs:
         values, ids = torch.topk(logprobs, params.top_logprobs)
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    logits = penalized(logits, params, prompt_ids, output_ids)
-    if params.temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(logprobs[token]), top
-    logits = logits / params.temperature
+    logits = _finite(penalized(logits, params, prompt_ids, output_ids))
+    greedy = int(torch.argmax(logits))
+    if params.temperature < GREEDY_BELOW:
+        return greedy, float(logprobs[greedy]), top
+    logits = _finite(logits / params.temperature)
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[0])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -47,8 +53,15 @@ def sample(
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        return greedy, float(logprobs[greedy]), top  # every token ruled out
     token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(logprobs[token]), top
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
 
 
 def penalized(
