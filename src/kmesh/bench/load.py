@@ -140,14 +140,14 @@ def _whole_text(payload: bytes) -> str:
     return "\x1e".join(texts)
 
 
-def _rss_mib(pid: int) -> float:
+def _rss_mib(pid: int) -> dict[str, float]:
+    """RSS in MiB of the process and each of its children, by "name pid", and their "total"."""
     process = psutil.Process(pid)
-    processes = [process, *process.children(recursive=True)]
-    total = 0
-    for p in processes:
+    rss = {}
+    for p in [process, *process.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):  # a child that just ended
-            total += p.memory_info().rss
-    return total / 2**20
+            rss[f"{p.name()} {p.pid}"] = p.memory_info().rss / 2**20
+    return {**rss, "total": sum(rss.values())}
 
 
 def slope_per_minute(samples: list[tuple[float, float]]) -> float:
@@ -174,7 +174,7 @@ def _quantile(values: list[float], q: float) -> float | None:
 async def _soak(cfg: LoadConfig, url: str, pid: int, store: str, log: Any) -> dict[str, Any]:
     deadline = time.monotonic() + cfg.seconds
     outcomes: list[tuple[Exchange, Outcome]] = []
-    samples: list[dict[str, float]] = []
+    samples: list[dict[str, Any]] = []
     serial = iter(range(10**9))
     keys = (KEY_A, KEY_B)
     limits = httpx.Limits(max_connections=cfg.clients + 4)
@@ -199,10 +199,16 @@ async def _soak(cfg: LoadConfig, url: str, pid: int, store: str, log: Any) -> di
     return {"outcomes": outcomes, "samples": samples}
 
 
-def _sample(started: float, pid: int, store: str) -> dict[str, float]:
+def _sample(started: float, pid: int, store: str) -> dict[str, Any]:
     with StoreClient(store) as client:
         used = client.stats()["used"]
-    return {"t": time.monotonic() - started, "rss_mib": _rss_mib(pid), "store_mib": used / 2**20}
+    rss = _rss_mib(pid)
+    return {
+        "t": time.monotonic() - started,
+        "rss_mib": rss.pop("total"),
+        "store_mib": used / 2**20,
+        "rss_by_process_mib": rss,
+    }
 
 
 async def _cold_check(
@@ -232,7 +238,7 @@ async def _abandon(cfg: LoadConfig, url: str, pid: int, log: Any) -> dict[str, A
     key = KEY_A
     rng = random.Random(cfg.seed)
     every = max(1, cfg.abandon // 20)
-    samples = [{"opened": 0, "rss_mib": _rss_mib(pid)}]
+    samples = [{"opened": 0, "rss_mib": _rss_mib(pid)["total"]}]
     failures: Counter[str] = Counter()
     opened = iter(range(cfg.abandon))
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
@@ -259,7 +265,7 @@ async def _abandon(cfg: LoadConfig, url: str, pid: int, log: Any) -> dict[str, A
                 if outcome.failure:
                     failures[outcome.failure] += 1
                 if (i + 1) % every == 0:
-                    samples.append({"opened": i + 1, "rss_mib": _rss_mib(pid)})
+                    samples.append({"opened": i + 1, "rss_mib": _rss_mib(pid)["total"]})
                     log(f"abandon: {i + 1} opened, rss {samples[-1]['rss_mib']:.0f} MiB")
 
         await asyncio.gather(*(worker() for _ in range(ABANDON_CLIENTS)))
