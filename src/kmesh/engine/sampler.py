@@ -36,10 +36,10 @@ def sample(
     if params.top_logprobs:
         values, ids = torch.topk(logprobs, params.top_logprobs)
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    logits = _finite(penalized(logits, params, prompt_ids, output_ids))
-    greedy = int(torch.argmax(logits))
+    logits = penalized(logits, params, prompt_ids, output_ids)
     if params.temperature < GREEDY_BELOW:
-        return greedy, float(logprobs[greedy]), top
+        token = int(torch.argmax(_finite(logits)))
+        return token, float(logprobs[token]), top
     logits = _finite(logits / params.temperature)
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[0])).values[-1]
@@ -54,7 +54,8 @@ def sample(
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-        return greedy, float(logprobs[greedy]), top  # every token ruled out
+        token = int(torch.argmax(logits))  # every token ruled out: the most likely
+        return token, float(logprobs[token]), top
     token = int(torch.multinomial(probs, 1, generator=generator))
     return token, float(logprobs[token]), top
 
