@@ -10,11 +10,12 @@ from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.recovery.jobs import RecoveryRequest, spans_of
 from kmesh.serve.app import create_app
-from kmesh.serve.backend import Delta, EngineLoad, GenerationJob
+from kmesh.serve.backend import Delta, GenerationJob
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.serve.jobs import REUSE_MESSAGES, message_segments
 from kmesh.serve.reference_backend import ReferenceBackend
 from kmesh.state.request_meta import parse_kmesh_params, segment_spans
+from kmesh.stats import EngineLoad
 
 pytestmark = pytest.mark.model
 

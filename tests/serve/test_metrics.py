@@ -2,8 +2,8 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kmesh.serve.backend import EngineLoad
 from kmesh.serve.metrics import ServeMetrics
+from kmesh.stats import EngineLoad
 
 IDLE = EngineLoad(running=0, waiting=0, kv_usage=0.0, computed_tokens=0)
 

@@ -31,7 +31,7 @@ from kmesh.bench.fork import ForkBenchConfig, ideal_prompt_tokens, prompt_ids, s
 STRATEGIES = ("independent", "vllm_n", "kmesh")
 SETTLE_S = 0.5
 SETTLE_TRIES = 20
-# kmesh_tokens_total's kinds read (kmesh/serve/metrics.py::TOKEN_KINDS).
+# kmesh_tokens_total's kinds read (kmesh/stats.py::TOKEN_KINDS).
 KINDS = ("prompt", "computed", "reused")
 
 

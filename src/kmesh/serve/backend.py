@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from kmesh.engine.request import TopLogprobs
 from kmesh.state.request_meta import KMeshParams
+from kmesh.stats import EngineLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +81,6 @@ class Delta:
 class EngineStoppedError(RuntimeError):
     """The engine stopped serving after an unexpected error (a bug, out of memory): every request
     fails until the server is restarted (HTTP 503)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """What the engine is doing now (GET /metrics, GET /health)."""
-
-    running: int  # requests being computed
-    waiting: int  # requests queued for room
-    # Share of the KV cache held by live or retained requests (cached free blocks not counted).
-    kv_usage: float
-    # Token positions run through the model since the start (prefill, decode, recovery).
-    computed_tokens: int
 
 
 class Backend(Protocol):

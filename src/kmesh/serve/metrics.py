@@ -9,7 +9,6 @@ running and waiting requests, the share of its KV cache in use, and the tokens i
 """
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,47 +16,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from kmesh.serve.backend import EngineLoad
+from kmesh.stats import COUNTERS, EngineLoad, request_counts
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-TOKEN_KINDS = ("prompt", "generation", "computed", "reused", "restored", "recovered")
-RECOVERY_KINDS = ("computed", "reused")
-# The counters kmesh serve and KMeshConnector inside vLLM (kmesh/vllm/metrics.py) both keep:
-# name -> help. kmesh_tokens and kmesh_recovery_tokens have a `kind` label.
-COUNTERS = {
-    "kmesh_tokens": "Tokens of finished requests: prompt, generation, and the prompt's split "
-    "(computed, reused from the local prefix cache, restored from the store, recovered by "
-    "KMesh's executor).",
-    "kmesh_recovery_tokens": "What recovered rows cost: computed by KMesh's executor "
-    "(token-equivalents: a row recomputed in some layers counts its share), or reused from "
-    "stored KV.",
-    "kmesh_recovery_fallbacks": "Recoveries the quality gate (or a failure) handed back to the "
-    "engine's own prefill.",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class RequestCounts:
-    """What one finished request adds to the counters."""
-
-    tokens: dict[str, float]  # TOKEN_KINDS
-    recovery: dict[str, float]  # RECOVERY_KINDS
-    fallbacks: int
-
-
-def request_counts(stats: dict[str, Any]) -> RequestCounts:
-    """The counts of a finished request's kmesh stats (with completion_tokens)."""
-    tokens = {
-        "prompt": stats.get("prompt_tokens", 0),
-        "generation": stats.get("completion_tokens", 0),
-    }
-    for kind in TOKEN_KINDS[2:]:
-        tokens[kind] = stats.get(f"{kind}_tokens", 0)
-    recovery = stats.get("recovery")
-    if not isinstance(recovery, dict):
-        return RequestCounts(tokens, dict.fromkeys(RECOVERY_KINDS, 0.0), 0)
-    spent = {kind: recovery.get(f"{kind}_tokens", 0) for kind in RECOVERY_KINDS}
-    return RequestCounts(tokens, spent, int(bool(recovery.get("fell_back"))))
 
 
 class _EngineCollector(Collector):

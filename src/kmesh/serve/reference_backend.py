@@ -32,8 +32,9 @@ from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
 from kmesh.errors import ContractError, KMeshError
 from kmesh.recovery.jobs import RecoveryRequest, spans_of
-from kmesh.serve.backend import Delta, EngineLoad, EngineStoppedError, GenerationJob, TokenLogprob
+from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.state.request_meta import segment_spans
+from kmesh.stats import EngineLoad
 
 logger = logging.getLogger(__name__)
 

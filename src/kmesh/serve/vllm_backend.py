@@ -14,9 +14,10 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from kmesh.serve.backend import Delta, EngineLoad, EngineStoppedError, GenerationJob, TokenLogprob
+from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
+from kmesh.stats import EngineLoad
 from kmesh.vllm.config import vllm_engine_kwargs
 
 

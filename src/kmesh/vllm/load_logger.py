@@ -14,7 +14,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from kmesh.serve.backend import EngineLoad
+from kmesh.stats import EngineLoad
 
 Publish = Callable[[EngineLoad], None]
 

@@ -1,6 +1,6 @@
 """KMeshConnector's counters in vLLM's own metrics: the same kmesh_tokens, kmesh_recovery_tokens
-and kmesh_recovery_fallbacks as `kmesh serve` (kmesh/serve/metrics.py), on a plain vLLM server's
-/metrics, with vLLM's model_name and engine labels.
+and kmesh_recovery_fallbacks as `kmesh serve` (both named in kmesh/stats.py), on a plain vLLM
+server's /metrics, with vLLM's model_name and engine labels.
 
 vLLM's path (vllm/v1/core/sched/scheduler.py, vllm/v1/metrics/loggers.py): after each step the
 scheduler asks the connector for stats (`get_kv_connector_stats`); the scheduler side hands the
@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kmesh.serve.metrics import COUNTERS, RECOVERY_KINDS, TOKEN_KINDS, request_counts
+from kmesh.stats import COUNTERS, RECOVERY_KINDS, TOKEN_KINDS, request_counts
 
 # KMeshConnectorStats.data: flat sums, "tokens.<kind>", "recovery.<kind>", "fallbacks", "requests".
 FIELDS = (
