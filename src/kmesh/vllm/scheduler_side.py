@@ -35,10 +35,9 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from kmesh.compute.fingerprint import fingerprint_files
+from kmesh.compute.fingerprint import model_fingerprint
 from kmesh.errors import KMeshError
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan, spans_of
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_adapter_block_keys
@@ -602,12 +601,3 @@ def _load_pin(request_id: str) -> str:
     """The store family that pins a request's hits until it finishes."""
     return f"kmesh-load:{request_id}"
 
-
-def model_fingerprint(model: str) -> str:
-    """The `model` part of state keys: the SHA-256 of the folder's config and weights (as the
-    reference engine computes it), or the model's name when it is not a local folder."""
-    path = Path(model)
-    weights = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if (path / "config.json").is_file() and weights:
-        return fingerprint_files([path / "config.json", *weights])
-    return f"name:{model}"
