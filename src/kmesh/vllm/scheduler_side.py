@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kmesh.compute.fingerprint import model_fingerprint
+from kmesh.coord.retention import Retention
 from kmesh.errors import KMeshError
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport, SegmentSpan, spans_of
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_adapter_block_keys
@@ -49,7 +50,6 @@ from kmesh.state.request_meta import (
     recovery_refusal,
     segment_spans,
 )
-from kmesh.state.retention import Retention
 from kmesh.store import (
     Hit,
     StoreClient,
@@ -600,4 +600,3 @@ def _request_params(request: Any) -> KMeshParams | None:
 def _load_pin(request_id: str) -> str:
     """The store family that pins a request's hits until it finishes."""
     return f"kmesh-load:{request_id}"
-

@@ -10,8 +10,8 @@ and may be used again.
 import enum
 from dataclasses import dataclass, field
 
+from kmesh.coord.retention import Retention
 from kmesh.errors import ContractError
-from kmesh.state.retention import Retention
 
 # Closed states remembered at most (a few hundred bytes each).
 MAX_CLOSED_STATES = 10_000

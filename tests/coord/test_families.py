@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kmesh.coord.families import FamilyRegistry, StateStatus
 from kmesh.errors import ContractError
-from kmesh.state.families import FamilyRegistry, StateStatus
 
 
 def ready_family(num_branches=2):
