@@ -27,7 +27,8 @@ from kmesh.store.client import Acquired, StoreClient, StoreError, StoreUnavailab
 
 log = logging.getLogger(__name__)
 
-TenantKey = tuple[str | None, bytes]  # a block key in its tenant's namespace
+# (tenant salt, key): entries are filed per tenant in the store.
+TenantKey = tuple[str | None, bytes]
 
 
 @dataclass(slots=True)
