@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import StoreClient
-from kmesh.store.client import write_segment
+from kmesh.store.segments import write_segment
 from kmesh.vllm import store_side
 from kmesh.vllm.activated import ACTIVATION_FILE
 from kmesh.vllm.layout import BlockLayout

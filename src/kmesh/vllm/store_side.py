@@ -19,8 +19,8 @@ import logging
 
 from kmesh.coord.families import RequestFamilies
 from kmesh.store import Acquired, StoreError, StoreRefused
-from kmesh.store.client import encode_meta
 from kmesh.store.policy import StorePolicy, TenantKey
+from kmesh.store.segments import encode_meta
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import SaveBlock
 from kmesh.vllm.tracked import Tracked

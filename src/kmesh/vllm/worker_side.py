@@ -21,7 +21,7 @@ import torch
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.recovery.requests import Outcome, RequestRecovery
 from kmesh.store import StoreError, TenantClients
-from kmesh.store.client import encode_meta, write_segment
+from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.tensors import segment_tensor, write_tensors
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
