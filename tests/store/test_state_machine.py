@@ -21,7 +21,7 @@ from kmesh.store.protocol import (
     Stats,
     StatsInfo,
 )
-from kmesh.store.server import Outbox, Session, Store
+from kmesh.store.state_machine import Outbox, Store, StoreSession
 from kmesh.store.tier import SharedMemoryTier
 from tests.store.helpers import chain
 
@@ -35,11 +35,11 @@ def store() -> Iterator[Store]:
     store.tier.close()
 
 
-def _acquire(store: Store, session: Session, keys: list[bytes], wait: float = 0.0, now=0.0):
+def _acquire(store: Store, session: StoreSession, keys: list[bytes], wait: float = 0.0, now=0.0):
     return store.handle(session, Acquire(keys, wait=wait, tenant=None), now)
 
 
-def _publish(store: Store, session: Session, key: bytes, now: float = 0.0) -> Outbox:
+def _publish(store: Store, session: StoreSession, key: bytes, now: float = 0.0) -> Outbox:
     [(_, reserved)] = store.handle(session, Reserve(key, 100, tenant=None), now)
     assert isinstance(reserved, Reserved)
     return store.handle(session, Commit(key, checksum=0, tenant=None), now)

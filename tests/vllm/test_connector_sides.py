@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import StoreClient
-from kmesh.store.client import write_segment
-from kmesh.vllm import scheduler_side
+from kmesh.store.segments import write_segment
+from kmesh.vllm import store_side
 from kmesh.vllm.activated import ACTIVATION_FILE
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
@@ -122,7 +122,7 @@ def test_a_leader_that_finishes_without_computing_hands_its_claims_over(store):
     first.get_num_new_matched_tokens(req, 0)
     finish(first, req)  # e.g. aborted before it was scheduled
     assert second.get_num_new_matched_tokens(request("b"), 0) == (0, False)  # now leads
-    assert len(second._requests["b"].lead) == 2
+    assert len(second.store.led("b")) == 2
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_state_never_crosses_salts_or_adapters(store, variant):
     first.get_num_new_matched_tokens(req, 0)
     compute(first, req, len(PROMPT))
     assert second.get_num_new_matched_tokens(request("b", **variant), 0) == (0, False)
-    assert len(second._requests["b"].lead) == 2  # it computes (and leads) its own blocks
+    assert len(second.store.led("b")) == 2  # it computes (and leads) its own blocks
 
 
 # 21 tokens whose invocation sequence [110, 111] starts at 10: two whole base blocks before it.
@@ -185,7 +185,7 @@ def test_activated_requests_of_one_engine_fill_the_shared_base_blocks_once(store
     scheduler = side(store)
     x, y = activated("x1", activated_folder, "x"), activated("y1", activated_folder, "y")
     assert scheduler.get_num_new_matched_tokens(x, 0) == (ACTIVATION_START, False)
-    assert len(scheduler._requests["x1"].lead) == 2  # it computes and publishes the base blocks
+    assert len(scheduler.store.led("x1")) == 2  # it computes and publishes the base blocks
     assert scheduler.get_num_new_matched_tokens(y, 0) == (None, False)  # waits a step
     allocate(scheduler, x, ACTIVATION_START)
     compute(scheduler, x, ACTIVATION_START)  # the worker filled them; they are published
@@ -220,7 +220,7 @@ def test_a_familys_trunk_is_pinned_until_its_declared_branches_finish(store):
 
 
 def test_past_the_open_family_limit_the_oldest_abandoned_family_is_let_go(store, monkeypatch):
-    monkeypatch.setattr(scheduler_side, "MAX_OPEN_FAMILIES", 2)
+    monkeypatch.setattr(store_side, "MAX_OPEN_FAMILIES", 2)
     scheduler = side(store)
     with StoreClient(store.socket) as client:
         for i, prompt in enumerate((PROMPT, list(range(200, 211)), list(range(300, 311)))):
@@ -346,7 +346,7 @@ def test_without_a_store_vllm_computes_everything(tmp_path):
     scheduler = SchedulerSide(str(tmp_path / "none.sock"), LAYOUT, "m")
     req = request("a")
     assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert not scheduler.available
+    assert not scheduler.store.available
     assert finish(scheduler, req)["computed_tokens"] == len(PROMPT)
 
 

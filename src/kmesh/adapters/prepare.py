@@ -20,7 +20,7 @@ from typing import Any
 from kmesh.adapters.recipes import AdapterRecipe, recipe_digest, recipes
 from kmesh.adapters.train import BaseModel, TrainResult, load_base_model, train_adapter
 from kmesh.compute.embedded import cache_dir, ensure_embedded_model
-from kmesh.compute.loader import fingerprint_files
+from kmesh.compute.fingerprint import fingerprint_files
 
 MANIFEST = "kmesh.json"
 

@@ -1,4 +1,8 @@
-"""SHA-256 fingerprints of model and adapter files: the `model` and `adapter` parts of keys."""
+"""SHA-256 fingerprints of model and adapter files: the `model` and `adapter` parts of keys.
+
+`model_fingerprint` is the one rule for a model: the reference engine (compute/loader.py) and the
+vLLM connector's two halves key state by it, so they share hits for the same folder.
+"""
 
 import hashlib
 from pathlib import Path
@@ -13,3 +17,13 @@ def fingerprint_files(paths: list[Path]) -> str:
             while chunk := handle.read(1 << 22):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def model_fingerprint(model: str | Path) -> str:
+    """The `model` part of state keys: the digest of a model folder's config.json and weights
+    (*.safetensors, sorted), or `name:<model>` when `model` is not such a folder."""
+    path = Path(model)
+    weights = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if (path / "config.json").is_file() and weights:
+        return fingerprint_files([path / "config.json", *weights])
+    return f"name:{model}"

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.embedded import ensure_embedded_model
 from kmesh.compute.executor import Executor
-from kmesh.compute.fingerprint import fingerprint_files
+from kmesh.compute.fingerprint import model_fingerprint
 from kmesh.compute.weights import LlamaWeights
 from kmesh.errors import ModelNotFoundError
 
@@ -57,5 +57,5 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         state.update(load_file(file))
     weights = LlamaWeights.from_state_dict(state, config, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    fingerprint = fingerprint_files([path / "config.json", *weight_files])
+    fingerprint = model_fingerprint(path)
     return LoadedModel(path, config, fingerprint, Executor(config, weights), tokenizer)

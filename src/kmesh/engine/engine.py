@@ -18,7 +18,9 @@ import torch
 
 from kmesh.compute.executor import Executor
 from kmesh.compute.lora import LoraAdapter
+from kmesh.coord.families import FamilyRegistry
 from kmesh.engine.adapters import Adapters
+from kmesh.engine.block_store import BlockStore
 from kmesh.engine.kv_manager import KVCacheManager, blocks_for
 from kmesh.engine.request import Request, RequestOutput, TopLogprobs
 from kmesh.engine.runner import ModelRunner
@@ -26,11 +28,9 @@ from kmesh.engine.sampler import sample
 from kmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kmesh.engine.sequence import Sequence
 from kmesh.engine.stop_strings import first_stop
-from kmesh.engine.store_link import StoreLink
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
-from kmesh.state.families import FamilyRegistry
 from kmesh.state.request_meta import recovery_refusal
 
 # How long a step waits when every waiting request waits for another engine's blocks.
@@ -91,7 +91,7 @@ class Engine:
         self.cache = PagedKVCache(self.config, num_blocks, block_size, executor.dtype)
         if store is not None and not prefix_caching:
             raise InvalidRequestError("a store needs prefix caching (it shares blocks by key)")
-        self.store = None if store is None else StoreLink(store, self.cache)
+        self.store = None if store is None else BlockStore(store, self.cache)
         self.kv = KVCacheManager(
             num_blocks, block_size, model_fingerprint, prefix_caching, self.store
         )

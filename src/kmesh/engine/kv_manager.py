@@ -6,8 +6,8 @@ was admitted (or why not) and the number of reused tokens.
 
 import enum
 
+from kmesh.engine.block_store import BlockStore
 from kmesh.engine.sequence import Sequence
-from kmesh.engine.store_link import StoreLink
 from kmesh.index.prefix_index import PrefixIndex
 from kmesh.kv.block_pool import BlockPool
 from kmesh.state.keys import KeyNamespace, activated_adapter, extend_adapter_block_keys
@@ -30,7 +30,7 @@ class KVCacheManager:
         block_size: int,
         model_fingerprint: str,
         prefix_caching: bool,
-        store: StoreLink | None = None,
+        store: BlockStore | None = None,
     ) -> None:
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint

@@ -6,7 +6,8 @@ keys may name one tenant. With keys set, every route but GET /health and GET /me
 key's tenant: the tenant is part of every state key (the prefix cache's, the store's, recovery's),
 so a request never reuses, restores or times another tenant's state, whatever `cache_salt` it
 sends. A client's `cache_salt` only subdivides its own tenant (`tenant_salt`). The store does the
-same for the engines that share it (kmesh/store/server.py: a connection says hello with a key).
+same for the engines that share it (kmesh/store/state_machine.py: a connection says hello with a
+key).
 
 Keys are held as SHA-256 digests and looked up by digest, so the lookup takes the same time
 whichever key (or non-key) is presented.

@@ -1,20 +1,15 @@
 """A store process that shares keyed inference state between engines through shared memory.
 
-`kmesh store serve` runs the store (server.py); engines talk to it with StoreClient (client.py)
-over the protocol of protocol.py, documented in docs/STORE_PROTOCOL.md; tier.py keeps the bytes.
+`kmesh store serve` runs the store (server.py: the socket loop over state_machine.py, which
+coordinates through kmesh/coord/); engines talk to it with StoreClient (client.py) over the
+protocol of protocol.py, documented in docs/STORE_PROTOCOL.md; tier.py keeps the bytes and
+segments.py maps them in a client. policy.py is the per-request policy both engines follow.
 """
 
-from kmesh.store.client import (
-    Acquired,
-    EntryLost,
-    Hit,
-    Mapped,
-    StoreClient,
-    StoreError,
-    StoreRefused,
-    StoreUnavailable,
-    TenantClients,
-)
+from kmesh.store.client import Acquired, Hit, StoreClient
+from kmesh.store.errors import EntryLost, StoreError, StoreRefused, StoreUnavailable
+from kmesh.store.segments import Mapped
+from kmesh.store.tenant_clients import TenantClients
 
 __all__ = [
     "Acquired",

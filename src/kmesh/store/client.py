@@ -18,10 +18,7 @@ straight into a segment the store reserved. The intended use:
         store.close_family(family_id)  # when the family ends: its entries become evictable
 
 If `wait` ran out, `waiting_on` is still set and `lead` empty: compute without the store. Every
-failure to use the store is a StoreError, so the caller's fallback is always "compute it here":
-StoreUnavailable (socket error, store gone, timeout, protocol error: the client is closed after
-it), StoreRefused (a publish that does not fit: keep the computed state locally) and EntryLost
-(a hit whose segment failed its checksum, reported to the store which dropped it, or vanished).
+failure to use the store is a StoreError (errors.py): the fallback is always "compute it here".
 
 A leader must publish or abandon each led key before its lease (Acquired.lease seconds) runs
 out; any request, `renew()` included, renews it. A client is one connection: not thread-safe,
@@ -31,9 +28,7 @@ tenant is then a namespace within the key's tenant.
 """
 
 import contextlib
-import mmap
 import os
-import re
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,11 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kmesh.errors import KMeshError
+from kmesh.store.errors import EntryLost, StoreError, StoreRefused, StoreUnavailable
 from kmesh.store.protocol import (
     KEY_BYTES,
     MAX_KEYS,
-    MAX_META_BYTES,
     MAX_NAME_CHARS,
     MAX_WAIT_S,
     Abandon,
@@ -75,35 +69,13 @@ from kmesh.store.protocol import (
 from kmesh.store.protocol import (
     Acquired as AcquiredAnswer,
 )
-from kmesh.store.tier import SHM_DIR
+from kmesh.store.segments import Mapped, decode_meta, encode_meta, map_segment, write_segment
 
 # The API key engines give a store started with --api-keys.
 STORE_KEY_ENV = "KMESH_STORE_KEY"
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
-
-
-class StoreError(KMeshError):
-    """The store cannot serve this: compute the state here instead."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be reached or answered wrongly; this client is closed."""
-
-
-class StoreRefused(StoreError):
-    """The store refused a publish (`code`: too_large, full, no_memory, not_leader,
-    not_reserved); the key's claim is gone, keep the computed state locally."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-class EntryLost(StoreError):
-    """A hit cannot be read: its bytes failed the checksum (the store was told and dropped the
-    entry) or its segment is gone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,88 +101,6 @@ class Acquired:
     lease: float  # seconds a leader has to publish (any request renews it)
 
 
-class Mapped:
-    """A verified entry mapped into this process. `data` is a read-only view of the shared
-    memory (no copy); drop every array made from it, then `close` (or use `with`)."""
-
-    __slots__ = ("_mapping", "data", "key", "meta")
-
-    def __init__(
-        self,
-        key: bytes,
-        mapping: mmap.mmap,
-        data: memoryview,
-        meta: dict[str, Any],
-    ) -> None:
-        self.key = key
-        self.data = data
-        self.meta = meta
-        self._mapping = mapping
-
-    def close(self) -> None:
-        try:
-            self.data.release()
-            self._mapping.close()
-        except BufferError:
-            raise BufferError(
-                "an array or tensor made from Mapped.data is still alive; copy out and drop it "
-                "before closing"
-            ) from None
-
-    def __enter__(self) -> "Mapped":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-_meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
-_SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")
-
-
-def map_segment(name: str, writable: bool) -> mmap.mmap:
-    """Map one of the store's segments (POSIX shared memory, made by the store with
-    multiprocessing.shared_memory) from its file in /dev/shm; a reader's mapping is read-only.
-    SharedMemory(name) would map the same memory, but Python 3.11 registers every segment it
-    maps with the process's resource tracker, which unlinks it when the process exits (the store
-    owns its segments) and which sibling processes share and race on. OSError if it is gone."""
-    if not _SEGMENT_NAME.fullmatch(name):
-        raise OSError(f"{name!r:.80} is not a store segment name")
-    fd = os.open(SHM_DIR / name, os.O_RDWR if writable else os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            raise OSError(f"segment {name} is empty")
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-
-
-def write_segment(
-    name: str, key: bytes, size: int, meta_bytes: bytes, write: Callable[[memoryview], None]
-) -> int:
-    """Fill a reserved segment in place with `write` (keep no view of it) and return the
-    checksum to commit. StoreUnavailable if the segment is gone."""
-    try:
-        mapping = map_segment(name, writable=True)
-    except OSError as error:
-        raise StoreUnavailable(f"the reserved segment is gone: {error}") from None
-    try:
-        target = memoryview(mapping)[:size]
-        try:
-            write(target)
-            return checksum(key, meta_bytes, target)
-        finally:
-            target.release()
-    finally:
-        mapping.close()
-
-
 def _check_key(key: bytes) -> bytes:
     if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
         raise ValueError(f"a store key is {KEY_BYTES} bytes (a SHA-256 digest), got {key!r:.80}")
@@ -227,16 +117,6 @@ def _check_name(what: str, name: str) -> str:
     if not 0 < len(name) <= MAX_NAME_CHARS:
         raise ValueError(f"{what} must have 1 to {MAX_NAME_CHARS} characters, got {name!r:.80}")
     return name
-
-
-def encode_meta(meta: Mapping[str, Any] | None) -> bytes:
-    """A publish's meta as the bytes its checksum covers (empty for none)."""
-    if not meta:
-        return b""
-    encoded = msgspec.msgpack.encode(dict(meta))
-    if len(encoded) > MAX_META_BYTES:
-        raise ValueError(f"meta encodes to {len(encoded)} bytes, the limit is {MAX_META_BYTES}")
-    return encoded
 
 
 def _short(key: bytes) -> str:
@@ -296,10 +176,7 @@ class StoreClient:
         data = memoryview(mapping)[: hit.size]
         meta: dict[str, Any] | None = None
         if data.nbytes == hit.size and checksum(hit.key, hit.meta_bytes, data) == hit.checksum:
-            try:
-                meta = _meta_decoder.decode(hit.meta_bytes) if hit.meta_bytes else {}
-            except msgspec.DecodeError:
-                meta = None
+            meta = decode_meta(hit.meta_bytes)
         if meta is None:
             data.release()
             mapping.close()
@@ -479,24 +356,3 @@ class StoreClient:
     def _unexpected(self, answer: AnyAnswer) -> StoreUnavailable:
         self.close()
         return StoreUnavailable(f"unexpected answer from the store: {answer!r:.200}")
-
-
-class TenantClients:
-    """One StoreClient per tenant salt on one socket, opened on first use (the store files
-    entries by tenant, and a client speaks for one), each with the API key in STORE_KEY_ENV if
-    that is set."""
-
-    def __init__(self, socket_path: str) -> None:
-        self.socket_path = socket_path
-        self.key = os.environ.get(STORE_KEY_ENV) or None
-        self._clients: dict[str | None, StoreClient] = {}
-
-    def __call__(self, tenant: str | None) -> StoreClient:
-        if tenant not in self._clients:
-            self._clients[tenant] = StoreClient(self.socket_path, tenant=tenant, key=self.key)
-        return self._clients[tenant]
-
-    def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()

@@ -1,28 +1,4 @@
-"""The store process: keyed state in shared memory, one computation per missing key.
-
-`Store` is the whole state machine, with no sockets: sessions (one per connection) send requests
-and get answers, some of them later (a waiting `acquire`) or to other sessions (a `commit` wakes
-the waiters of its key). A key of a tenant is, for the store:
-
-    absent --acquire--> claimed (one leader) --reserve, commit--> published --evict/drop--> absent
-    claimed --abandon, refused reserve, leader gone, lease run out--> absent (+ a waiter promoted)
-
-`acquire` walks a chain of keys: the published prefix is answered as hits; if the first missing
-key is claimed by another session the request waits for it (up to its `wait`); otherwise the
-session claims it and every following key that is neither published nor claimed. Waiters of a
-key are kept in arrival order. When the key is published they all see it as a hit (and go on
-down their chain); when its claim goes away they are re-evaluated in order, so the first becomes
-the new leader and the rest keep waiting, on it. Nothing is computed twice while a leader lives,
-and no waiter is left behind when a leader dies. A leader's lease is renewed by every request of
-its session; a session whose lease runs out loses its claims as if it had abandoned them.
-
-Entries are filed under (key, tenant): a tenant's lookup never sees another's entry, claim or
-waiters, so its answers are those of a plain miss. With API keys (kmesh/state/tenants.py), a
-connection's first request is a `hello` with a key (anything else, or an unknown key, gets an
-`unauthorized` error), and the key's tenant scopes every later request: the `tenant` a client
-names only subdivides its key's (tenant_salt), so no client can name another key's entries.
-Pins belong to a (session, family): `close_family` or the session's end takes them back, so a
-dead client cannot pin state forever.
+"""The store process: a Store (state_machine.py) served on a Unix socket.
 
 `StoreServer` serves a Store on a Unix socket from one thread with `selectors`: non-blocking
 sockets, a read buffer per connection split into frames, a write buffer flushed when writable.
@@ -46,331 +22,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
-
 from kmesh.errors import InvalidRequestError, KMeshError
-from kmesh.state.tenants import ApiKeys, tenant_salt
+from kmesh.state.tenants import ApiKeys
 from kmesh.store.protocol import (
     MAX_FRAME_BYTES,
-    Abandon,
-    Acquire,
-    Acquired,
     AnyAnswer,
-    AnyRequest,
-    CloseFamily,
-    Commit,
-    Done,
-    Drop,
     Error,
-    Hello,
-    HitInfo,
-    Pin,
-    Ping,
     ProtocolError,
-    Refused,
-    Request,
-    Reserve,
-    Reserved,
-    Stats,
-    StatsInfo,
     decode_request,
     encode_frame,
     take_frame,
 )
-from kmesh.store.tier import CapacityError, EntryId, SharedMemoryTier, StoredEntry, Tier
+from kmesh.store.state_machine import DEFAULT_LEASE_S, Outbox, Store, StoreSession
+from kmesh.store.tier import SharedMemoryTier
 
-DEFAULT_LEASE_S = 60.0
 _RECV_BYTES = 1 << 16
 _MAX_BUFFERED = 2 * (MAX_FRAME_BYTES + 4)  # unanswered input a connection may hold
 _MAX_SELECT_S = 1.0
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-@dataclass(frozen=True, slots=True)
-class _Wait:
-    request: Acquire
-    deadline: float
-    blocked_on: EntryId
-
-
-@dataclass(eq=False, slots=True)
-class Session:
-    """What the store knows of one connection."""
-
-    claims: dict[EntryId, None] = field(default_factory=dict)  # a set, in claim order
-    lease_deadline: float = 0.0
-    families: dict[str, dict[EntryId, int]] = field(default_factory=dict)  # -> entry serial
-    waiting: _Wait | None = None
-    tenant: str | None = None  # its API key's tenant, once it said hello (with API keys)
-
-
-@dataclass(eq=False, slots=True)
-class _Claim:
-    leader: Session
-    reservation: str | None = None  # segment being written, once the leader reserved
-
-
-Outbox = list[tuple[Session, AnyAnswer]]
-
-
-class Store:
-    """Claims, waiters, leases and pins over a tier; see the module docstring."""
-
-    def __init__(
-        self, tier: Tier, lease: float = DEFAULT_LEASE_S, api_keys: ApiKeys | None = None
-    ) -> None:
-        if not lease > 0:  # NaN too
-            raise ValueError(f"lease must be positive, got {lease}")
-        self.tier = tier
-        self.lease = lease
-        self.api_keys = api_keys
-        self.sessions: set[Session] = set()
-        self._claims: dict[EntryId, _Claim] = {}
-        self._waiters: dict[EntryId, list[Session]] = {}
-        self._counts = dict.fromkeys(
-            ("hits", "misses", "published", "refused", "promoted", "expired"), 0
-        )
-
-    def open(self) -> Session:
-        session = Session()
-        self.sessions.add(session)
-        return session
-
-    def handle(self, session: Session, request: AnyRequest, now: float) -> Outbox:
-        """Answers to send: this session's (unless it now waits) and any it caused others."""
-        if self.api_keys is not None:
-            scoped = self._authorized(session, request)
-            if not isinstance(scoped, Request):
-                return [(session, scoped)]
-            request = scoped
-        out: Outbox = []
-        session.lease_deadline = now + self.lease
-        match request:
-            case Acquire():
-                self._acquire(session, request, now + request.wait, now, out)
-            case Reserve(key=key, tenant=tenant, size=size):
-                out.append((session, self._reserve(session, (key, tenant), size, now, out)))
-            case Commit():
-                out.append((session, self._commit(session, request, now, out)))
-            case Abandon(keys=keys, tenant=tenant):
-                idents = dict.fromkeys((k, tenant) for k in keys)
-                mine = [ident for ident in idents if self._leader(ident) is session]
-                self._release(mine, now, out)
-                out.append((session, Done(count=len(mine))))
-            case Pin(family=family, keys=keys, tenant=tenant):
-                count = sum(self._pin(session, family, (k, tenant)) is not None for k in keys)
-                out.append((session, Done(count=count)))
-            case CloseFamily(family=family):
-                out.append((session, Done(count=self._close_family(session, family))))
-            case Drop(key=key, tenant=tenant, name=name):
-                out.append((session, Done(count=int(self.tier.drop((key, tenant), name)))))
-            case Stats():
-                out.append((session, self._stats()))
-            case Ping() | Hello():
-                out.append((session, Done()))
-        return out
-
-    def _authorized(self, session: Session, request: AnyRequest) -> AnyRequest | AnyAnswer:
-        """The request in its session's tenant, or the answer refusing it."""
-        assert self.api_keys is not None
-        if isinstance(request, Hello):
-            session.tenant = self.api_keys.tenant_of_key(request.key)
-            if session.tenant is None:
-                return Error(code="unauthorized", message="the API key is not valid")
-        elif session.tenant is None:
-            return Error(code="unauthorized", message="send a hello with an API key first")
-        return msgspec.structs.replace(request, tenant=tenant_salt(session.tenant, request.tenant))
-
-    def close(self, session: Session, now: float) -> Outbox:
-        """The session's connection is gone: stop its wait, release its pins and claims."""
-        out: Outbox = []
-        if session.waiting is not None:
-            self._unwait(session)
-        for family in list(session.families):
-            self._close_family(session, family)
-        self._release(list(session.claims), now, out)
-        self.sessions.discard(session)
-        return out
-
-    def expire(self, now: float) -> Outbox:
-        """Release the claims of sessions whose lease ran out (promoting waiters), then answer
-        waits that ran out."""
-        out: Outbox = []
-        for session in list(self.sessions):
-            if session.claims and session.lease_deadline <= now:
-                self._counts["expired"] += len(session.claims)
-                self._release(list(session.claims), now, out)
-        for session in list(self.sessions):
-            wait = session.waiting
-            if wait is not None and wait.deadline <= now:
-                self._unwait(session)
-                self._acquire(session, wait.request, now, now, out)
-        return out
-
-    def next_deadline(self) -> float | None:
-        deadlines = [s.lease_deadline for s in self.sessions if s.claims]
-        deadlines += [s.waiting.deadline for s in self.sessions if s.waiting is not None]
-        return min(deadlines, default=None)
-
-    def _leader(self, ident: EntryId) -> Session | None:
-        claim = self._claims.get(ident)
-        return None if claim is None else claim.leader
-
-    def _acquire(
-        self, session: Session, request: Acquire, deadline: float, now: float, out: Outbox
-    ) -> int:
-        """Evaluate `request` for `session`: answer it, or park it as a waiter until `deadline`.
-        Returns how many keys the session now leads."""
-        tenant = request.tenant
-        hits: list[StoredEntry] = []
-        for key in request.keys:
-            entry = self.tier.lookup((key, tenant))
-            if entry is None:
-                break
-            hits.append(entry)
-        rest = request.keys[len(hits) :]
-        blocked = None
-        lead = 0
-        if rest:
-            first = (rest[0], tenant)
-            leader = self._leader(first)
-            if leader is not None and leader is not session:
-                blocked = first
-        if blocked is not None and deadline > now:
-            session.waiting = _Wait(request, deadline, blocked)
-            self._waiters.setdefault(blocked, []).append(session)
-            return 0
-        if blocked is None:
-            for key in rest:
-                ident = (key, tenant)
-                leader = self._leader(ident)
-                if leader is None and self.tier.lookup(ident) is None:
-                    self._claims[ident] = _Claim(session)
-                    session.claims[ident] = None
-                elif leader is not session:
-                    break
-                lead += 1
-        if lead:
-            session.lease_deadline = now + self.lease
-        if request.family is not None:
-            for key in request.keys[: len(hits)]:
-                self._pin(session, request.family, (key, tenant))
-        self._counts["hits"] += len(hits)
-        self._counts["misses"] += lead
-        infos = [HitInfo(e.name, e.size, e.checksum, e.meta) for e in hits]
-        answer = Acquired(hits=infos, lead=lead, wait=blocked is not None, lease=self.lease)
-        out.append((session, answer))
-        return lead
-
-    def _unwait(self, session: Session) -> None:
-        assert session.waiting is not None
-        ident = session.waiting.blocked_on
-        waiters = self._waiters[ident]
-        waiters.remove(session)
-        if not waiters:
-            del self._waiters[ident]
-        session.waiting = None
-
-    def _wake(self, ident: EntryId, now: float, out: Outbox) -> int:
-        """Re-evaluate the waiters of `ident` in arrival order; returns how many now lead."""
-        promoted = 0
-        for waiter in self._waiters.pop(ident, []):
-            wait = waiter.waiting
-            assert wait is not None
-            waiter.waiting = None
-            promoted += self._acquire(waiter, wait.request, wait.deadline, now, out) > 0
-        return promoted
-
-    def _release(self, idents: list[EntryId], now: float, out: Outbox) -> None:
-        """Claims that end without a publish: the keys are absent again. All go before any
-        waiter is re-evaluated, so a promoted waiter can lead the whole chain its leader had."""
-        for ident in idents:
-            claim = self._claims.pop(ident)
-            del claim.leader.claims[ident]
-            if claim.reservation is not None:
-                self.tier.cancel(claim.reservation)
-        for ident in idents:
-            self._counts["promoted"] += self._wake(ident, now, out)
-
-    def _reserve(
-        self, session: Session, ident: EntryId, size: int, now: float, out: Outbox
-    ) -> AnyAnswer:
-        claim = self._claims.get(ident)
-        if claim is None or claim.leader is not session:
-            return _not_leader()
-        if claim.reservation is not None:
-            self.tier.cancel(claim.reservation)
-            claim.reservation = None
-        try:
-            claim.reservation = self.tier.reserve(size)
-        except CapacityError as error:
-            self._counts["refused"] += 1
-            self._release([ident], now, out)
-            return Refused(code=error.code, reason=f"{error}; the key's claim was released")
-        return Reserved(name=claim.reservation)
-
-    def _commit(self, session: Session, request: Commit, now: float, out: Outbox) -> AnyAnswer:
-        ident = (request.key, request.tenant)
-        claim = self._claims.get(ident)
-        if claim is None or claim.leader is not session:
-            return _not_leader()
-        if claim.reservation is None:
-            return Refused(code="not_reserved", reason="commit before reserve: nothing was written")
-        self.tier.commit(ident, claim.reservation, request.checksum, request.meta)
-        del self._claims[ident]
-        del session.claims[ident]
-        self._counts["published"] += 1
-        if request.family is not None:
-            self._pin(session, request.family, ident)
-        self._wake(ident, now, out)
-        return Done(count=1)
-
-    def _pin(self, session: Session, family: str, ident: EntryId) -> StoredEntry | None:
-        """Pin the entry of `ident` for the session's `family` (once per entry and family)."""
-        entry = self.tier.lookup(ident)
-        if entry is None:
-            return None
-        pins = session.families.setdefault(family, {})
-        if pins.get(ident) != entry.serial:
-            self.tier.pin(ident)
-            pins[ident] = entry.serial
-        return entry
-
-    def _close_family(self, session: Session, family: str) -> int:
-        pins = session.families.pop(family, {})
-        for ident, serial in pins.items():
-            self.tier.unpin(ident, serial)
-        return len(pins)
-
-    def _stats(self) -> StatsInfo:
-        tier = self.tier.stats()
-        return StatsInfo(
-            capacity=tier.capacity,
-            used=tier.used,
-            entries=tier.entries,
-            pinned=tier.pinned,
-            reserved=tier.reserved,
-            claims=len(self._claims),
-            waiters=sum(len(w) for w in self._waiters.values()),
-            connections=len(self.sessions),
-            evicted=tier.evicted,
-            dropped=tier.dropped,
-            **self._counts,
-        )
-
-
-def _not_leader() -> Refused:
-    return Refused(
-        code="not_leader",
-        reason="this connection does not hold the key's claim (it was published, abandoned, "
-        "refused, or its lease ran out)",
-    )
-
-
 @dataclass(eq=False, slots=True)
 class _Connection:
     sock: socket.socket
-    session: Session
+    session: StoreSession
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     events: int = selectors.EVENT_READ
@@ -422,7 +97,7 @@ class StoreServer:
         self._wake_in.setblocking(False)
         self._wake_out.setblocking(False)
         self._selector.register(self._wake_in, selectors.EVENT_READ)
-        self._connections: dict[Session, _Connection] = {}
+        self._connections: dict[StoreSession, _Connection] = {}
         self._dead: list[_Connection] = []
         self._stopping = False
 

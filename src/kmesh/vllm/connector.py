@@ -4,9 +4,10 @@ Load it with `kv_transfer_config={"kv_connector": "KMeshConnector", "kv_connecto
 "kmesh.vllm.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
 "kv_connector_extra_config": {"store": "/path/to/store.sock"}}` (kmesh.vllm.config builds it),
 or by name alone once kmesh is installed (the `vllm.general_plugins` entry point registers it).
-vLLM makes one instance per role: the scheduler role (scheduler_side.py: keys, store protocol,
-families, stats, recovery claims) and the worker role (worker_side.py: block copies; recovered
-rows from recovery.py, on the model the worker extension attaches: worker_extension.py).
+vLLM makes one instance per role: the scheduler role (scheduler_side.py, with tracked.py: keys;
+store_side.py: store traffic and families; recovery_claims.py; stats) and the worker role
+(worker_side.py: block copies; recovered rows from recovery.py, on the model the worker extension
+attaches: worker_extension.py).
 Without a store it only reports per-request stats (and recovers, if asked). Each finished
 request's output carries `kv_transfer_params["kmesh"]` = {prompt_tokens, reused_tokens,
 restored_tokens, recovered_tokens, computed_tokens, family, `recovery` when asked, and

@@ -19,9 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.store import Hit
-
-# (tenant salt, key): entries are filed per tenant in the store.
-TenantKey = tuple[str | None, bytes]
+from kmesh.store.policy import TenantKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.compute.config import ModelConfig
+from kmesh.compute.fingerprint import model_fingerprint
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RequestRecovery
 from kmesh.vllm.model_bridge import executor_of_vllm_model
-from kmesh.vllm.scheduler_side import model_fingerprint
 
 
 class KMeshWorkerExtension:

@@ -1,7 +1,8 @@
-"""The connector's worker half: copies whole blocks between the store's shared memory and
-vLLM's paged KV cache, fills the rows of recovered tokens (kmesh/recovery/requests.py) and keeps
-finished requests' generated rows as output segments for later recoveries (`keep_output`; their
-blocks are freed once it has read them). It never claims or commits; see metadata.py.
+"""The connector's worker half: copies whole blocks (its layers' pages in layer order; the bytes
+moved by store/tensors.py) between the store's shared memory and vLLM's paged KV cache, fills the
+rows of recovered tokens (kmesh/recovery/requests.py) and keeps finished requests' generated rows
+as output segments for later recoveries (`keep_output`; their blocks are freed once it has read
+them). It never claims or commits; see metadata.py.
 
 Recovery runs KMesh's layerwise executor on vLLM's own loaded model. vLLM hands a connector no
 model, so it is attached from outside: KMesh's worker class (kmesh/vllm/worker.py, vLLM's
@@ -13,16 +14,15 @@ dtype is refused the same way.
 """
 
 import logging
-import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.recovery.requests import Outcome, RequestRecovery
 from kmesh.store import StoreError, TenantClients
-from kmesh.store.client import encode_meta, write_segment
+from kmesh.store.segments import encode_meta, write_segment
+from kmesh.store.tensors import segment_tensor, write_tensors
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
 from kmesh.vllm.pages import Pages
@@ -174,10 +174,7 @@ class WorkerSide:
                 continue
 
             def write(target: memoryview, block_id: int = save.block_id) -> None:
-                out = np.frombuffer(target, dtype=np.uint8)
-                page = self.layout.page_bytes
-                for i, layer in enumerate(self._layers):
-                    out[i * page : (i + 1) * page] = _page_bytes(layer, block_id)
+                write_tensors(target, (layer[block_id] for layer in self._layers))
 
             try:
                 crc = write_segment(
@@ -208,14 +205,9 @@ class WorkerSide:
         self._client.close()
 
     def _copy_in(self, block_id: int, data: memoryview) -> None:
-        with warnings.catch_warnings():  # read-only shared memory: torch only reads from it
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            source = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+        """A block's pages, layer after layer, from shared memory into vLLM's cache."""
+        source = segment_tensor(data)
         page = self.layout.page_bytes
         for i, layer in enumerate(self._layers):
             layer[block_id].view(-1).view(torch.uint8).copy_(source[i * page : (i + 1) * page])
         del source
-
-
-def _page_bytes(layer: torch.Tensor, block_id: int) -> np.ndarray:
-    return layer[block_id].reshape(-1).view(torch.uint8).cpu().numpy()

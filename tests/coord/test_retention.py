@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kmesh.state.retention import Retention
+from kmesh.coord.retention import Retention
 
 
 def test_the_oldest_ids_are_retired_first():

@@ -1,17 +1,22 @@
-"""Families: a trunk state and the branches declared to fork it (trees are families of families).
+"""Family lifecycles: when the state a family shares may be let go. Pure bookkeeping, no I/O.
 
-Pure bookkeeping over state ids. The engine asks it whether a fork is allowed, tells it when states
-become forkable and when branches end, and is told which retained states to release. Closed states
-are remembered (a fork of one is refused as closed) up to `max_closed`, the oldest forgotten
-first, a trunk with its family: a forgotten id is unknown (a fork of it is refused as unknown)
-and may be used again.
-"""
+`FamilyRegistry` (the reference engine): a trunk state and the branches declared to fork it (trees
+are families of families), over state ids. The engine asks it whether a fork is allowed, tells it
+when states become forkable and when branches end, and is told which retained states to release.
+Closed states are remembered (a fork of one is refused as closed) up to `max_closed`, the oldest
+forgotten first, a trunk with its family: a forgotten id is unknown (a fork of it is refused as
+unknown) and may be used again.
+
+`RequestFamilies` (vLLM's connector): families declared by requests' kmesh params, with no state
+ids: the family ends when a member closes it or its declared branches have finished, and is told
+which tenants' store pins to close."""
 
 import enum
 from dataclasses import dataclass, field
 
+from kmesh.coord.retention import Retention
 from kmesh.errors import ContractError
-from kmesh.state.retention import Retention
+from kmesh.state.request_meta import KMeshParams
 
 # Closed states remembered at most (a few hundred bytes each).
 MAX_CLOSED_STATES = 10_000
@@ -175,3 +180,49 @@ class FamilyRegistry:
         family_id = self._family_of_trunk.pop(state_id, None)
         if family_id is not None:
             del self._families[family_id]
+
+
+@dataclass(frozen=True, slots=True)
+class EndedFamily:
+    """A request-declared family that ended: the tenants whose store pins it holds."""
+
+    family_id: str
+    tenants: frozenset[str | None]
+
+
+class RequestFamilies:
+    """Families declared by the requests themselves (kmesh params `family`, `branches`,
+    `close`), as a serving engine sees them: no states, only members that finish.
+
+    A family is open from its first pin or member until it is closed (a member with `close`),
+    its declared `branches` members have all finished, or it is the oldest of more than
+    `max_open` families with a finished member (abandoned families are let go oldest first).
+    Invariant: every family counted is open; an ended family is forgotten (a later member opens
+    it again).
+    """
+
+    def __init__(self, max_open: int) -> None:
+        self._finished: dict[str, int] = {}  # finished members per open family
+        self._open: Retention[str] = Retention(max_open)
+        self._tenants: dict[str, set[str | None]] = {}
+
+    def pinned(self, family_id: str, tenant: str | None) -> None:
+        """A member pinned the family's trunk under `tenant`."""
+        self._tenants.setdefault(family_id, set()).add(tenant)
+
+    def end_member(self, params: KMeshParams) -> list[EndedFamily]:
+        """A request finished; returns the families that ended with it."""
+        family = params.family
+        if family is None:
+            return []
+        self._finished[family] = self._finished.get(family, 0) + 1
+        if params.close or (
+            params.branches is not None and self._finished[family] >= params.branches
+        ):
+            ended = [family]
+        else:
+            ended = self._open.add(family)  # the oldest open ones, past the limit
+        for done in ended:
+            del self._finished[done]
+            self._open.discard(done)
+        return [EndedFamily(done, frozenset(self._tenants.pop(done, set()))) for done in ended]

@@ -2,8 +2,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kmesh.coord.families import EndedFamily, FamilyRegistry, RequestFamilies, StateStatus
 from kmesh.errors import ContractError
-from kmesh.state.families import FamilyRegistry, StateStatus
+from kmesh.state.request_meta import KMeshParams
 
 
 def ready_family(num_branches=2):
@@ -140,3 +141,31 @@ def test_a_live_branch_ends_after_its_family_was_forgotten():
         reg.family("f")
     assert reg.end("b0") == []
     assert reg.status("b0") is StateStatus.CLOSED
+
+
+def _member(family: str, **kwargs) -> KMeshParams:
+    return KMeshParams(family=family, **kwargs)
+
+
+def test_a_request_family_ends_when_its_declared_branches_have_finished():
+    families = RequestFamilies(max_open=10)
+    families.pinned("f", "tenant-a")
+    families.pinned("f", None)
+    assert families.end_member(_member("f", branches=2)) == []
+    [ended] = families.end_member(_member("f", branches=2))
+    assert ended == EndedFamily("f", frozenset({"tenant-a", None}))
+
+
+def test_a_member_that_closes_its_request_family_ends_it_at_once():
+    families = RequestFamilies(max_open=10)
+    assert families.end_member(_member("f", branches=4, close=True)) == [
+        EndedFamily("f", frozenset())
+    ]
+    assert families.end_member(KMeshParams()) == []  # not a family member
+
+
+def test_past_the_open_limit_the_oldest_request_family_ends():
+    families = RequestFamilies(max_open=2)
+    for family in ("f0", "f1"):
+        assert families.end_member(_member(family, branches=4)) == []
+    assert families.end_member(_member("f2", branches=4)) == [EndedFamily("f0", frozenset())]

@@ -1,0 +1,59 @@
+"""Family pins: entries kept from eviction while a session's family still needs them.
+
+A pin belongs to a (session, family) and names one entry (its serial), not just its key: a key
+published again after an eviction is a new entry, pinned anew. `close` (the family ended) or
+`close_all` (the session ended) takes the session's pins back, so a dead client cannot pin state
+forever. Entries live in a tier (`PinTarget`); this is bookkeeping only, no I/O.
+"""
+
+from typing import Any, Generic, Protocol, TypeVar
+
+from kmesh.coord.singleflight import Key, Session
+
+_Ident = TypeVar("_Ident", contravariant=True)
+
+
+class Pinned(Protocol):
+    @property
+    def serial(self) -> int: ...
+
+
+class PinTarget(Protocol[_Ident]):
+    """Where the entries live (a store tier)."""
+
+    def lookup(self, ident: _Ident, /) -> Pinned | None: ...
+
+    def pin(self, ident: _Ident, /) -> object: ...
+
+    def unpin(self, ident: _Ident, serial: int, /) -> None: ...
+
+
+class FamilyPins(Generic[Key]):
+    """Pins by (session, family) over `target`; each entry pinned once per family."""
+
+    def __init__(self, target: PinTarget[Key]) -> None:
+        self.target = target
+
+    def pin(self, session: Session[Key, Any], family: str, ident: Key) -> bool:
+        """Pin the published entry of `ident` for the session's `family`; False if there is
+        none."""
+        entry = self.target.lookup(ident)
+        if entry is None:
+            return False
+        pins = session.pins.setdefault(family, {})
+        if pins.get(ident) != entry.serial:
+            self.target.pin(ident)
+            pins[ident] = entry.serial
+        return True
+
+    def close(self, session: Session[Key, Any], family: str) -> int:
+        """The family ended for the session: unpin its entries; returns how many it had."""
+        pins = session.pins.pop(family, {})
+        for ident, serial in pins.items():
+            self.target.unpin(ident, serial)
+        return len(pins)
+
+    def close_all(self, session: Session[Key, Any]) -> None:
+        """The session ended: every family of it ends."""
+        for family in list(session.pins):
+            self.close(session, family)

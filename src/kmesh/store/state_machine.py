@@ -1,0 +1,206 @@
+"""The store as a state machine, with no sockets: protocol requests in, answers out.
+
+Sessions (one per connection) send requests and get answers, some of them later (a waiting
+`acquire`) or to other sessions (a `commit` wakes the waiters of its key). The coordination is
+kmesh/coord/: singleflight (claims, waiters, promotion, leases) and family pins; this module
+files entries in a tier, scopes requests by tenant and speaks the protocol. A key of a tenant is:
+
+    absent --acquire--> claimed (one leader) --reserve, commit--> published --evict/drop--> absent
+    claimed --abandon, refused reserve, leader gone, lease run out--> absent (+ a waiter promoted)
+
+Entries are filed under (key, tenant): a tenant's lookup never sees another's entry, claim or
+waiters, so its answers are those of a plain miss. With API keys (kmesh/state/tenants.py), a
+connection's first request is a `hello` with a key (anything else, or an unknown key, gets an
+`unauthorized` error), and the key's tenant scopes every later request: the `tenant` a client
+names only subdivides its key's (tenant_salt), so no client can name another key's entries.
+"""
+
+import msgspec
+
+from kmesh.coord.pins import FamilyPins
+from kmesh.coord.singleflight import Answer, Session, Singleflight
+from kmesh.state.tenants import ApiKeys, tenant_salt
+from kmesh.store.protocol import (
+    Abandon,
+    Acquire,
+    Acquired,
+    AnyAnswer,
+    AnyRequest,
+    CloseFamily,
+    Commit,
+    Done,
+    Drop,
+    Error,
+    Hello,
+    HitInfo,
+    Pin,
+    Ping,
+    Refused,
+    Request,
+    Reserve,
+    Reserved,
+    Stats,
+    StatsInfo,
+)
+from kmesh.store.tier import CapacityError, EntryId, StoredEntry, Tier
+
+DEFAULT_LEASE_S = 60.0
+
+StoreSession = Session[EntryId, Acquire]
+Outbox = list[tuple[StoreSession, AnyAnswer]]
+
+
+class Store:
+    """Protocol requests over a tier, coordinated by kmesh/coord/; see the module docstring."""
+
+    def __init__(
+        self, tier: Tier, lease: float = DEFAULT_LEASE_S, api_keys: ApiKeys | None = None
+    ) -> None:
+        self.tier = tier
+        self.lease = lease
+        self.api_keys = api_keys
+        self.flight: Singleflight[EntryId, StoredEntry, Acquire] = Singleflight(
+            tier.lookup, tier.cancel, lease
+        )
+        self.pins = FamilyPins(tier)
+        self._tenants: dict[StoreSession, str | None] = {}  # API key tenants, once said hello
+        self._counts = dict.fromkeys(("hits", "misses", "published", "refused"), 0)
+
+    @property
+    def sessions(self) -> set[StoreSession]:
+        return self.flight.sessions
+
+    def open(self) -> StoreSession:
+        return self.flight.open()
+
+    def handle(self, session: StoreSession, request: AnyRequest, now: float) -> Outbox:
+        """Answers to send: this session's (unless it now waits) and any it caused others."""
+        if self.api_keys is not None:
+            scoped = self._authorized(session, request)
+            if not isinstance(scoped, Request):
+                return [(session, scoped)]
+            request = scoped
+        out: Outbox = []
+        self.flight.touch(session, now)
+        match request:
+            case Acquire(keys=keys, tenant=tenant):
+                idents = [(key, tenant) for key in keys]
+                deadline = now + request.wait
+                out += self._answers(self.flight.acquire(session, idents, request, deadline, now))
+            case Reserve(key=key, tenant=tenant, size=size):
+                out.append((session, self._reserve(session, (key, tenant), size, now, out)))
+            case Commit():
+                out.append((session, self._commit(session, request, now, out)))
+            case Abandon(keys=keys, tenant=tenant):
+                named = dict.fromkeys((k, tenant) for k in keys)
+                mine = [ident for ident in named if self.flight.leader(ident) is session]
+                out += self._answers(self.flight.release(mine, now))
+                out.append((session, Done(count=len(mine))))
+            case Pin(family=family, keys=keys, tenant=tenant):
+                count = sum(self.pins.pin(session, family, (k, tenant)) for k in keys)
+                out.append((session, Done(count=count)))
+            case CloseFamily(family=family):
+                out.append((session, Done(count=self.pins.close(session, family))))
+            case Drop(key=key, tenant=tenant, name=name):
+                out.append((session, Done(count=int(self.tier.drop((key, tenant), name)))))
+            case Stats():
+                out.append((session, self._stats()))
+            case Ping() | Hello():
+                out.append((session, Done()))
+        return out
+
+    def close(self, session: StoreSession, now: float) -> Outbox:
+        """The session's connection is gone: stop its wait, release its pins and claims."""
+        self.pins.close_all(session)
+        self._tenants.pop(session, None)
+        return self._answers(self.flight.close(session, now))
+
+    def expire(self, now: float) -> Outbox:
+        """Release the claims of sessions whose lease ran out (promoting waiters), then answer
+        waits that ran out."""
+        return self._answers(self.flight.expire(now))
+
+    def next_deadline(self) -> float | None:
+        return self.flight.next_deadline()
+
+    def _authorized(self, session: StoreSession, request: AnyRequest) -> AnyRequest | AnyAnswer:
+        """The request in its session's tenant, or the answer refusing it."""
+        assert self.api_keys is not None
+        if isinstance(request, Hello):
+            self._tenants[session] = self.api_keys.tenant_of_key(request.key)
+        tenant = self._tenants.get(session)
+        if tenant is None:
+            if isinstance(request, Hello):
+                return Error(code="unauthorized", message="the API key is not valid")
+            return Error(code="unauthorized", message="send a hello with an API key first")
+        return msgspec.structs.replace(request, tenant=tenant_salt(tenant, request.tenant))
+
+    def _answers(self, answers: list[Answer[EntryId, StoredEntry, Acquire]]) -> Outbox:
+        """Evaluated acquires as protocol answers; a request's hits pinned for its family."""
+        out: Outbox = []
+        for answer in answers:
+            family = answer.ask.family
+            if family is not None:
+                for ident in answer.keys[: len(answer.hits)]:
+                    self.pins.pin(answer.session, family, ident)
+            self._counts["hits"] += len(answer.hits)
+            self._counts["misses"] += answer.lead
+            infos = [HitInfo(e.name, e.size, e.checksum, e.meta) for e in answer.hits]
+            acquired = Acquired(hits=infos, lead=answer.lead, wait=answer.blocked, lease=self.lease)
+            out.append((answer.session, acquired))
+        return out
+
+    def _reserve(
+        self, session: StoreSession, ident: EntryId, size: int, now: float, out: Outbox
+    ) -> AnyAnswer:
+        if self.flight.leader(ident) is not session:
+            return _not_leader()
+        self.flight.reserve(ident, None)
+        try:
+            name = self.tier.reserve(size)
+        except CapacityError as error:
+            self._counts["refused"] += 1
+            out += self._answers(self.flight.release([ident], now))
+            return Refused(code=error.code, reason=f"{error}; the key's claim was released")
+        self.flight.reserve(ident, name)
+        return Reserved(name=name)
+
+    def _commit(self, session: StoreSession, request: Commit, now: float, out: Outbox) -> AnyAnswer:
+        ident = (request.key, request.tenant)
+        if self.flight.leader(ident) is not session:
+            return _not_leader()
+        name = self.flight.reservation(ident)
+        if name is None:
+            return Refused(code="not_reserved", reason="commit before reserve: nothing was written")
+        self.tier.commit(ident, name, request.checksum, request.meta)
+        self._counts["published"] += 1
+        if request.family is not None:
+            self.pins.pin(session, request.family, ident)
+        out += self._answers(self.flight.publish(ident, now))
+        return Done(count=1)
+
+    def _stats(self) -> StatsInfo:
+        tier = self.tier.stats()
+        return StatsInfo(
+            capacity=tier.capacity,
+            used=tier.used,
+            entries=tier.entries,
+            pinned=tier.pinned,
+            reserved=tier.reserved,
+            claims=self.flight.num_claims,
+            waiters=self.flight.num_waiters,
+            connections=len(self.sessions),
+            evicted=tier.evicted,
+            dropped=tier.dropped,
+            promoted=self.flight.num_promoted,
+            expired=self.flight.num_expired,
+            **self._counts,
+        )
+
+
+def _not_leader() -> Refused:
+    return Refused(
+        code="not_leader",
+        reason="this connection does not hold the key's claim (it was published, abandoned, "
+        "refused, or its lease ran out)",
+    )
