@@ -225,8 +225,10 @@ def _workload_allgather(args: argparse.Namespace) -> None:
 def _bench_allgather(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather import AllGatherBenchConfig, run_allgather_bench
-    from kmesh.bench.allgather_report import print_table, report_console, write_report
+    from kmesh.bench.allgather import run_allgather_bench
+    from kmesh.bench.allgather_config import AllGatherBenchConfig
+    from kmesh.bench.allgather_report import print_table, write_report
+    from kmesh.bench.common import report_console
     from kmesh.compute.loader import load_model
     from kmesh.engine.engine import Engine
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace, load_trace
@@ -320,8 +322,9 @@ def _bench_allgather_vllm(
 ) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather_report import print_table, report_console
+    from kmesh.bench.allgather_report import print_table
     from kmesh.bench.allgather_vllm import run_vllm_allgather_bench
+    from kmesh.bench.common import report_console
     from kmesh.compute.loader import resolve_model_dir
     from kmesh.vllm.scheduler_side import model_fingerprint
 
@@ -357,7 +360,7 @@ def _bench_allgather_vllm(
 def _bench_restore(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.common import report_console
     from kmesh.bench.restore import print_restore, run_restore_bench
 
     try:
@@ -377,7 +380,7 @@ def _bench_restore(args: argparse.Namespace) -> None:
 def _bench_vllm_family(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.common import report_console
     from kmesh.bench.vllm_family import FamilyBenchConfig, print_family, run_family_bench
 
     if args.instances < 1 or args.requests < args.instances or args.trunk_tokens < 1:

@@ -10,7 +10,7 @@ from kmesh.errors import InvalidRequestError
 def _bench_council(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.common import report_console
     from kmesh.bench.council import CouncilConfig, client_python, run_council_bench
     from kmesh.bench.council_report import plot, print_report
     from kmesh.cli import write_json

@@ -10,7 +10,7 @@ from kmesh.errors import InvalidRequestError
 def _bench_load(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.common import report_console
     from kmesh.bench.load import LoadConfig, run_load_bench
     from kmesh.bench.load_report import plot, print_report
     from kmesh.cli import write_json

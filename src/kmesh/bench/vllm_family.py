@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Column, Table
 
-from kmesh.bench.allgather import hardware
+from kmesh.bench.common import hardware
 from kmesh.compute.loader import resolve_model_dir
 from kmesh.errors import KMeshError
 from kmesh.store.process import start_store
