@@ -119,6 +119,7 @@ class RecoveryInputs:
         )
 
     def author(self, r: int, segment: Segment) -> int | None:
+        """The agent whose round r - 1 output `segment` of a round-r prompt is, if any."""
         if r == 0:
             return None
         for author in range(self.agents):
@@ -165,10 +166,6 @@ class RecoveryInputs:
             [where[output_segment_id(r - 1, a)] for a in range(self.agents)],
         )
 
-    def _blank(self, n: int) -> torch.Tensor:
-        c = self.config
-        return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
-
     def store_outputs(self, r: int, turns: Sequence[AgentTurn], recovered: list[Recovered]) -> None:
         """Each output's KV computed after its author's prompt, as generation leaves it."""
         batch = []
@@ -183,10 +180,14 @@ class RecoveryInputs:
             self.index.put(turn.output_ids, AUTHOR, r, stored)
 
     def dense_output_bytes(self, reader: AgentTurn, r: int) -> int:
-        """A dense copy of round r's outputs, as `reader`'s prompt holds them, in whole blocks
-        (each output starts a block)."""
+        """A dense copy of the outputs round r's prompts hold (`reader` is one of them), in whole
+        blocks (each output starts a block)."""
         lengths = [
             len(s.token_ids) for s in reader.prompt.segments if self.author(r, s) is not None
         ][-self.agents :]
         bs = self.block_size
         return sum(-(-n // bs) for n in lengths) * self.block_bytes
+
+    def _blank(self, n: int) -> torch.Tensor:
+        c = self.config
+        return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
