@@ -7,8 +7,10 @@ default policy. Prints the table and writes report.md with plots.
 
 from pathlib import Path
 
-from kmesh.bench.allgather import AllGatherBenchConfig, run_allgather_bench
-from kmesh.bench.allgather_report import print_table, report_console, write_report
+from kmesh.bench.allgather import run_allgather_bench
+from kmesh.bench.allgather_config import AllGatherBenchConfig
+from kmesh.bench.allgather_report import print_table, write_report
+from kmesh.bench.common import report_console
 from kmesh.compute.loader import load_model
 from kmesh.engine.engine import Engine
 from kmesh.engine.llm import LLM

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kmesh.bench.allgather import STRATEGIES, AllGatherBench, AllGatherBenchConfig
+from kmesh.bench.allgather import AllGatherBench
+from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
 from tests.conftest import synthetic_allgather_turns
 
 EXACT_KL = 1e-6  # fp32 with different reduction orders; a real difference is > 1e-3 here

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kmesh.bench.allgather import STRATEGIES
+from kmesh.bench.allgather_config import STRATEGIES
 from kmesh.workloads.allgather import load_trace, save_trace
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]

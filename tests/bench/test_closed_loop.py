@@ -1,7 +1,7 @@
 """The closed loop's plumbing: outputs feed the next round, the summary's arithmetic, and the
 reference engine's driver on the tiny model (exact recovery gives full prefill's outputs)."""
 
-from kmesh.bench.allgather import STRATEGIES, AllGatherBenchConfig
+from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
 from kmesh.bench.closed_loop import closed_loop_summary, reference_closed_loop, run_closed_loop
 from kmesh.workloads.allgather import AllGatherConfig
 

@@ -7,7 +7,6 @@ counts. Every table is built once as rows of strings and rendered both with rich
 and as markdown (report.md).
 """
 
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -175,12 +174,6 @@ def _rich_table(header: list[str] | tuple[str, ...], rows: Rows, title: str) -> 
     for row in rows:
         table.add_row(*row)
     return table
-
-
-def report_console() -> Console:
-    """A console for tables on stdout: the terminal's width, or 160 columns when piped (rich
-    would otherwise squeeze the tables into 80)."""
-    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:

@@ -36,14 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kmesh.bench.allgather import (
-    STRATEGIES,
-    SWEEP_RATIOS,
-    AllGatherBenchConfig,
-    StrategyRun,
-    strategies_report,
-    summary_of,
-)
+from kmesh.bench.allgather_config import STRATEGIES, SWEEP_RATIOS, AllGatherBenchConfig
+from kmesh.bench.allgather_summary import StrategyRun, strategies_report, summary_of
 from kmesh.bench.closed_loop import closed_loop_summary, run_closed_loop
 from kmesh.bench.strategy_requests import strategy_request
 from kmesh.bench.vllm_logits import first_token_logits, first_token_params

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kmesh.bench.allgather import STRATEGIES, AllGatherBenchConfig
+from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
 from kmesh.bench.strategy_requests import strategy_request
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams

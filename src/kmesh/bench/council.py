@@ -63,6 +63,11 @@ class CouncilConfig:
     # Model folder (None: the embedded model).
     model: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("agents", "rounds", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+
 
 @dataclass(frozen=True, slots=True)
 class CouncilRound:

@@ -27,6 +27,7 @@ from kmesh.compute.executor import Executor
 from kmesh.engine.engine import Engine
 from kmesh.engine.kv_manager import blocks_for
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
+from kmesh.errors import InvalidRequestError
 from kmesh.workloads.branching import best_of_n, chain_of_thought, tree_search, tree_seed
 
 MODES = ("best-of-n", "cot", "tree")
@@ -43,6 +44,13 @@ class ForkBenchConfig:
     seed: int = 0
     temperature: float = 0.8
     block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("branches", "trunk_tokens", "branch_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.mode == "cot" and self.reasoning_tokens < 1:
+            raise InvalidRequestError("--reasoning-tokens must be at least 1 for --mode cot")
 
     @property
     def num_leaves(self) -> int:

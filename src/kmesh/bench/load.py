@@ -34,6 +34,7 @@ import httpx
 import psutil
 
 from kmesh.bench.load_traffic import Exchange, encoded, next_exchange, round_member
+from kmesh.errors import InvalidRequestError
 from kmesh.serve.process import start_kmesh_serve
 from kmesh.store.client import StoreClient
 from kmesh.store.process import start_store
@@ -57,6 +58,12 @@ class LoadConfig:
     # kmesh serve --recovery-bytes: small enough that recovery's cache is full after warm-up,
     # so that the RSS slope shows leaks, not a cache filling to its budget.
     recovery_bytes: str = "128M"
+
+    def __post_init__(self) -> None:
+        if self.clients < 1 or self.seconds <= 0:
+            raise InvalidRequestError("--clients must be at least 1 and --seconds above 0")
+        if self.check < 0 or self.abandon < 0:
+            raise InvalidRequestError("--check and --abandon must be 0 or more")
 
 
 @dataclass(slots=True)

@@ -55,6 +55,10 @@ class LoraBenchConfig:
     def __post_init__(self) -> None:
         if not self.agents or min(self.agents) < 1:
             raise InvalidRequestError(f"agents must be positive counts, got {self.agents}")
+        if self.context_tokens < 64:
+            raise InvalidRequestError(
+                f"--context-tokens must be at least 64, got {self.context_tokens}"
+            )
         if self.greedy_tokens < 1:
             raise InvalidRequestError("greedy_tokens must be >= 1")
 

@@ -28,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Column, Table
 
-from kmesh.bench.allgather import hardware
+from kmesh.bench.common import hardware
 from kmesh.compute.executor import Executor
 from kmesh.compute.loader import load_model
 from kmesh.compute.tiny import tiny_executor

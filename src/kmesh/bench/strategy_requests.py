@@ -17,7 +17,7 @@ keeps each prompt's tail for its next round.
 
 from typing import Any
 
-from kmesh.bench.allgather import AllGatherBenchConfig
+from kmesh.bench.allgather_config import AllGatherBenchConfig
 from kmesh.state.segments import Segment
 from kmesh.workloads.allgather import AgentTurn, output_segment_id
 

@@ -27,9 +27,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Column, Table
 
-from kmesh.bench.allgather import hardware
+from kmesh.bench.common import hardware
 from kmesh.compute.loader import resolve_model_dir
-from kmesh.errors import KMeshError
+from kmesh.errors import InvalidRequestError, KMeshError
 from kmesh.store.process import start_store
 
 SUFFIXES = (
@@ -53,6 +53,12 @@ class FamilyBenchConfig:
     max_tokens: int = 16
     model: str | None = None  # None: the embedded model
     store_capacity: str = "1G"
+
+    def __post_init__(self) -> None:
+        if self.instances < 1 or self.requests < self.instances or self.trunk_tokens < 1:
+            raise InvalidRequestError(
+                "--instances must be >= 1, --requests at least --instances, --trunk-tokens >= 1"
+            )
 
 
 def family_prompts(tokenizer: Any, trunk_tokens: int, requests: int) -> list[list[int]]:

@@ -1,22 +1,11 @@
-"""The multi-LoRA commands: `kmesh adapters prepare` and `kmesh bench lora`."""
+"""`kmesh bench lora`: agents with their own adapters over one context, exact vs activated vs
+residual (bench/lora.py; bench/lora_vllm.py with --engine vllm)."""
 
 import argparse
 from pathlib import Path
-from typing import Any
 
+from kmesh.cli.common import Commands, add_model_option, agent_counts, write_json
 from kmesh.errors import InvalidRequestError
-
-KINDS = ("lora", "activated")
-
-
-def _prepare(args: argparse.Namespace) -> None:
-    from kmesh.adapters.prepare import ensure_adapters
-
-    if args.count < 1:
-        raise InvalidRequestError(f"--count must be at least 1, got {args.count}")
-    for kind in KINDS if args.kind == "all" else (args.kind,):
-        for path in ensure_adapters(kind, args.count):
-            print(path)
 
 
 def _bench_lora(args: argparse.Namespace) -> None:
@@ -25,16 +14,16 @@ def _bench_lora(args: argparse.Namespace) -> None:
     from kmesh.adapters.prepare import ensure_adapters
     from kmesh.bench.lora import LoraBench, LoraBenchConfig, run_lora_bench
     from kmesh.bench.lora_report import plot, print_report
-    from kmesh.cli import agent_counts, write_json
     from kmesh.compute.loader import load_model
     from kmesh.compute.lora import load_adapter
     from kmesh.recovery.adapter_residual import ResidualConfig
 
-    agents = tuple(agent_counts(args.agents, "--agents", 1))
-    if args.context_tokens < 64:
-        raise InvalidRequestError(
-            f"--context-tokens must be at least 64, got {args.context_tokens}"
-        )
+    cfg = LoraBenchConfig(
+        agents=tuple(agent_counts(args.agents, "--agents", 1)),
+        context_tokens=args.context_tokens,
+        seed=args.seed,
+        residual=ResidualConfig(args.check_tokens, args.max_deviation),
+    )
     console = Console(stderr=True)
     model = load_model(args.model)
     if args.context_tokens + 128 > model.config.max_position:
@@ -42,17 +31,12 @@ def _bench_lora(args: argparse.Namespace) -> None:
             f"--context-tokens {args.context_tokens} leaves no room in the model's context "
             f"({model.config.max_position} tokens)"
         )
-    console.log(f"preparing {max(agents)} adapters of each kind (trained once, then cached)")
-    plain_dirs = ensure_adapters("lora", max(agents))
-    activated_dirs = ensure_adapters("activated", max(agents))
+    adapters = max(cfg.agents)
+    console.log(f"preparing {adapters} adapters of each kind (trained once, then cached)")
+    plain_dirs = ensure_adapters("lora", adapters)
+    activated_dirs = ensure_adapters("activated", adapters)
     plain = [load_adapter(path, model.executor.dtype) for path in plain_dirs]
     activated = [load_adapter(path, model.executor.dtype) for path in activated_dirs]
-    cfg = LoraBenchConfig(
-        agents=agents,
-        context_tokens=args.context_tokens,
-        seed=args.seed,
-        residual=ResidualConfig(args.check_tokens, args.max_deviation),
-    )
     console.log(f"the shared context ({cfg.context_tokens} tokens: written once, then cached)")
     bench = LoraBench(model, plain, activated, cfg)
     if args.engine == "vllm":
@@ -70,18 +54,8 @@ def _bench_lora(args: argparse.Namespace) -> None:
     print(f"wrote {picture}")
 
 
-def add_commands(commands: Any, benches: Any) -> None:
-    """Register `adapters prepare` under `commands` and `lora` under `benches`."""
+def register(benches: Commands) -> None:
     from kmesh.recovery.adapter_residual import DEFAULT_CHECK_TOKENS, DEFAULT_MAX_DEVIATION
-
-    adapters = commands.add_parser("adapters", help="LoRA adapters for the embedded model")
-    adapter_commands = adapters.add_subparsers(dest="adapters_command", required=True)
-    prepare = adapter_commands.add_parser(
-        "prepare", help="train (once, deterministically) and cache persona adapters"
-    )
-    prepare.add_argument("--kind", choices=[*KINDS, "all"], default="all")
-    prepare.add_argument("--count", type=int, default=4, help="adapters of each kind")
-    prepare.set_defaults(func=_prepare)
 
     lora = benches.add_parser(
         "lora",
@@ -104,5 +78,5 @@ def add_commands(commands: Any, benches: Any) -> None:
         help="residual: the gate's bound on the check tokens' relative KV deviation",
     )
     lora.add_argument("--json", required=True, help="where to write the result (and a .png)")
-    lora.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    add_model_option(lora)
     lora.set_defaults(func=_bench_lora)

@@ -2,25 +2,19 @@
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from kmesh.errors import InvalidRequestError
+from kmesh.cli.common import Commands, write_json
 
 
 def _bench_load(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.common import report_console
     from kmesh.bench.load import LoadConfig, run_load_bench
     from kmesh.bench.load_report import plot, print_report
-    from kmesh.cli import write_json
 
-    if args.clients < 1 or args.seconds <= 0:
-        raise InvalidRequestError("--clients must be at least 1 and --seconds above 0")
-    if args.check < 0 or args.abandon < 0:
-        raise InvalidRequestError("--check and --abandon must be 0 or more")
-    console = Console(stderr=True)
     cfg = LoadConfig(args.engine, args.clients, args.seconds, args.check, args.abandon, args.seed)
+    console = Console(stderr=True)
     result = run_load_bench(cfg, console.log)
     print_report(result, report_console())
     write_json(args.json, result)
@@ -28,7 +22,7 @@ def _bench_load(args: argparse.Namespace) -> None:
         plot(result, Path(args.plot))
 
 
-def add_commands(benches: Any) -> None:
+def register(benches: Commands) -> None:
     load = benches.add_parser(
         "load",
         help="kmesh serve under concurrent clients, disconnects, families, rounds, bad bodies",

@@ -13,6 +13,8 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
+from kmesh.cli.common import Commands
+
 _version = importlib.metadata.version
 
 
@@ -37,3 +39,11 @@ def run_vllm(args: Sequence[str]) -> int:
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     return 0
+
+
+def register(commands: Commands) -> None:
+    """`kmesh vllm` in the help; kmesh.cli.main hands `kmesh vllm ...` to `run_vllm` before
+    parsing, its arguments untouched."""
+    commands.add_parser(
+        "vllm", help="vLLM's own command line from this install: kmesh vllm serve|bench serve ..."
+    )

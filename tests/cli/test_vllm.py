@@ -1,10 +1,10 @@
-"""`kmesh vllm ...`: vLLM's own command line from this install (src/kmesh/cli_vllm.py)."""
+"""`kmesh vllm ...`: vLLM's own command line from this install (src/kmesh/cli/vllm.py)."""
 
 import importlib.metadata
 
 import pytest
 
-from kmesh.cli_vllm import vllm_version
+from kmesh.cli.vllm import vllm_version
 from tests.conftest import run_kmesh as kmesh
 
 

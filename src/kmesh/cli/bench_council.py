@@ -2,25 +2,21 @@
 
 import argparse
 from pathlib import Path
-from typing import Any
 
+from kmesh.cli.common import Commands, add_model_option, write_json
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_council(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.allgather_report import report_console
+    from kmesh.bench.common import report_console
     from kmesh.bench.council import CouncilConfig, client_python, run_council_bench
     from kmesh.bench.council_report import plot, print_report
-    from kmesh.cli import write_json
 
-    for name in ("agents", "rounds", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    cfg = CouncilConfig(args.agents, args.rounds, args.max_tokens, args.model)
     python = client_python(args.client_python)
     console = Console(stderr=True)
-    cfg = CouncilConfig(args.agents, args.rounds, args.max_tokens, args.model)
     ratios = tuple(float(r) for r in args.ratios.split(","))
     if not all(0 <= r <= 1 for r in ratios):
         raise InvalidRequestError(f"--ratios are shares in [0, 1], got {args.ratios}")
@@ -31,7 +27,7 @@ def _bench_council(args: argparse.Namespace) -> None:
         plot(result, Path(args.plot))
 
 
-def add_commands(benches: Any) -> None:
+def register(benches: Commands) -> None:
     council = benches.add_parser(
         "council",
         help="an AutoGen council (unmodified) against kmesh serve and vanilla vLLM, per round",
@@ -47,7 +43,7 @@ def add_commands(benches: Any) -> None:
     )
     council.add_argument("--json", required=True, help="where to write the report")
     council.add_argument("--plot", default=None, help="where to draw computed tokens per round")
-    council.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    add_model_option(council)
     council.add_argument(
         "--client-python",
         default=None,

@@ -1,0 +1,22 @@
+"""What every bench shares: the hardware line its JSON report carries and the console its tables
+print to."""
+
+import os
+import platform
+import sys
+
+import torch
+from rich.console import Console
+
+
+def hardware() -> str:
+    """The machine a report was measured on, as every bench's JSON states it."""
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, torch {torch.__version__}, fp32"
+    )
+
+
+def report_console() -> Console:
+    """A console for tables on stdout: the terminal's width, or 160 columns when piped (rich
+    would otherwise squeeze the tables into 80)."""
+    return Console(width=None if sys.stdout.isatty() else 160)

@@ -1,0 +1,67 @@
+"""`kmesh bench fork`: best-of-N, chain-of-thought and tree search, independent vs prefix cache
+vs fork (bench/fork.py; bench/fork_vllm.py with --engine vllm)."""
+
+import argparse
+
+from kmesh.cli.common import Commands, add_model_option, write_json
+from kmesh.errors import InvalidRequestError
+
+
+def _bench_fork(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.fork import ForkBenchConfig, print_report, run_fork_bench
+    from kmesh.compute.loader import load_model
+
+    cfg = ForkBenchConfig(
+        mode=args.mode,
+        branches=args.branches,
+        trunk_tokens=args.trunk_tokens,
+        branch_tokens=args.branch_tokens,
+        reasoning_tokens=args.reasoning_tokens,
+        seed=args.seed,
+    )
+    console = Console(stderr=True)
+    model = load_model(args.model)
+    context = cfg.trunk_tokens + cfg.reasoning_tokens + 2 * cfg.branch_tokens
+    if context > model.config.max_position:
+        raise InvalidRequestError(
+            f"trunk + reasoning + branch tokens ({context}) exceed the model's context "
+            f"({model.config.max_position})"
+        )
+    if args.engine == "vllm":
+        from kmesh.bench.fork_vllm import print_vllm_report, run_vllm_fork_bench
+
+        report = run_vllm_fork_bench(cfg, args.model, progress=console.log)
+        print_vllm_report(report, Console())
+    else:
+        report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=console.log)
+        print_report(report, Console())
+    write_json(args.json, report)
+
+
+def register(benches: Commands) -> None:
+    fork = benches.add_parser(
+        "fork",
+        help="best-of-N / chain-of-thought / tree search: independent vs prefix cache vs fork",
+    )
+    fork.add_argument("--mode", choices=["best-of-n", "cot", "tree"], required=True)
+    fork.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="vllm: independent requests vs vLLM's n vs kmesh serve's n, on vLLM",
+    )
+    fork.add_argument("--branches", type=int, default=8, help="branches (tree: width per level)")
+    fork.add_argument("--trunk-tokens", type=int, default=1024, help="prompt length")
+    fork.add_argument("--branch-tokens", type=int, default=32, help="tokens each branch generates")
+    fork.add_argument(
+        "--reasoning-tokens",
+        type=int,
+        default=64,
+        help="cot: trunk tokens generated before forking",
+    )
+    fork.add_argument("--seed", type=int, default=0)
+    fork.add_argument("--json", required=True, help="where to write the report")
+    add_model_option(fork)
+    fork.set_defaults(func=_bench_fork)

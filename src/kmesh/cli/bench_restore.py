@@ -1,0 +1,40 @@
+"""`kmesh bench restore`: restoring keyed state from a store vs recomputing it; singleflight
+(bench/restore.py)."""
+
+import argparse
+
+from kmesh.cli.common import Commands, add_model_option, write_json
+from kmesh.errors import InvalidRequestError
+
+
+def _bench_restore(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.common import report_console
+    from kmesh.bench.restore import print_restore, run_restore_bench
+
+    try:
+        sizes = [int(part) for part in args.tokens.split(",")]
+    except ValueError:
+        raise InvalidRequestError(
+            f"--tokens takes sizes separated by commas, like 1024,4096; got {args.tokens!r}"
+        ) from None
+    if any(n < 16 for n in sizes) or args.concurrency < 1:
+        raise InvalidRequestError("--tokens sizes must be >= 16 and --concurrency >= 1")
+    console = Console(stderr=True)
+    report = run_restore_bench(args.model, sizes, args.concurrency, progress=console.log)
+    print_restore(report, report_console())
+    write_json(args.json, report)
+
+
+def register(benches: Commands) -> None:
+    restore = benches.add_parser(
+        "restore", help="restore keyed state from a store vs recompute it; singleflight"
+    )
+    restore.add_argument("--tokens", default="1024,4096,16384", help="prompt sizes")
+    restore.add_argument(
+        "--concurrency", type=int, default=8, help="engine processes asking for one prompt"
+    )
+    restore.add_argument("--json", required=True, help="where to write the report")
+    add_model_option(restore)
+    restore.set_defaults(func=_bench_restore)

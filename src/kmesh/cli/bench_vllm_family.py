@@ -1,0 +1,35 @@
+"""`kmesh bench vllm-family`: one family over several vLLM instances sharing a store, against
+vanilla vLLM (bench/vllm_family.py)."""
+
+import argparse
+
+from kmesh.cli.common import Commands, add_model_option, write_json
+
+
+def _bench_vllm_family(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.common import report_console
+    from kmesh.bench.vllm_family import FamilyBenchConfig, print_family, run_family_bench
+
+    config = FamilyBenchConfig(
+        args.instances, args.requests, args.trunk_tokens, args.max_tokens, args.model
+    )
+    console = Console(stderr=True)
+    report = run_family_bench(config, progress=console.log)
+    print_family(report, report_console())
+    write_json(args.json, report)
+
+
+def register(benches: Commands) -> None:
+    family = benches.add_parser(
+        "vllm-family",
+        help="one family over several vLLM instances sharing a store vs vanilla vLLM",
+    )
+    family.add_argument("--instances", type=int, default=2, help="vLLM processes")
+    family.add_argument("--requests", type=int, default=8, help="family members, round-robin")
+    family.add_argument("--trunk-tokens", type=int, default=2048, help="shared trunk length")
+    family.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request")
+    family.add_argument("--json", required=True, help="where to write the report")
+    add_model_option(family)
+    family.set_defaults(func=_bench_vllm_family)

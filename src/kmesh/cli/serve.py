@@ -1,0 +1,137 @@
+"""`kmesh serve`: an OpenAI-compatible HTTP server on the reference engine or vLLM."""
+
+import argparse
+import logging
+import os
+import socket
+
+from kmesh.cli.common import Commands, add_model_option, add_store_option, check_store
+from kmesh.errors import InvalidRequestError
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kmesh.serve.app import create_app
+    from kmesh.serve.backend import Backend
+
+    check_store(args.store)
+    reuse_messages = None
+    if args.reuse_messages:
+        from kmesh.serve.jobs import REUSE_MESSAGES
+
+        reuse_messages = REUSE_MESSAGES
+        if args.reuse_ratio is not None:
+            if not 0 <= args.reuse_ratio <= 1:
+                raise InvalidRequestError(
+                    f"--reuse-ratio must be in [0, 1], got {args.reuse_ratio}"
+                )
+            reuse_messages = REUSE_MESSAGES.model_copy(update={"ratio": args.reuse_ratio})
+    elif args.reuse_ratio is not None:
+        raise InvalidRequestError("--reuse-ratio needs --reuse-messages")
+    api_keys = None
+    if args.api_keys is not None:
+        from kmesh.state.tenants import load_api_keys
+
+        api_keys = load_api_keys(args.api_keys)
+    recovery_bytes = None
+    if args.recovery_bytes is not None:
+        from kmesh.store.server import parse_size
+
+        recovery_bytes = parse_size(args.recovery_bytes, "--recovery-bytes")
+    listener = _listen(args.host, args.port)
+    backend: Backend
+    if args.engine == "vllm":
+        from kmesh.serve.vllm_backend import VLLMBackend
+
+        backend = VLLMBackend(args.model, store=args.store, recovery_bytes=recovery_bytes)
+        print("kmesh serve: starting vLLM (about a minute on 2 cores)...", flush=True)
+    else:
+        from kmesh.serve.reference_backend import ReferenceBackend
+
+        options = {} if recovery_bytes is None else {"recovery_bytes": recovery_bytes}
+        backend = ReferenceBackend(args.model, store=args.store, **options)
+    port = listener.getsockname()[1]
+
+    def ready() -> None:
+        print(
+            f"kmesh serve: {backend.engine} engine on http://{args.host}:{port} "
+            f"(model {backend.model_id})",
+            flush=True,
+        )
+
+    access = logging.getLogger("kmesh.serve")  # the access lines and ignored fields, on stderr
+    access.setLevel(logging.INFO)
+    access.addHandler(logging.StreamHandler())
+    app = create_app(
+        backend,
+        on_ready=ready,
+        strict_fields=args.strict_fields,
+        reuse_messages=reuse_messages,
+        api_keys=api_keys,
+    )
+    config = uvicorn.Config(app, log_level="warning")
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket (bound before the model loads, so a taken port fails at once)."""
+    if not 0 <= port <= 65535:
+        raise InvalidRequestError(f"--port must be in 0..65535 (0: any free port), got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as error:
+        raise InvalidRequestError(
+            f"unknown --host {host!r} ({error.strerror}): give an address like 127.0.0.1"
+        ) from None
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise InvalidRequestError(
+            f"cannot listen on {host}:{port} ({reason}): pick another --port or --host"
+        ) from None
+
+
+def register(commands: Commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (completions, chat) until SIGTERM/SIGINT"
+    )
+    serve.add_argument("--engine", choices=["reference", "vllm"], required=True)
+    add_model_option(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port")
+    serve.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse request fields the server does not know (default: ignore and log them)",
+    )
+    serve.add_argument(
+        "--reuse-messages",
+        action="store_true",
+        help="approximate: a chat without a kmesh object, under a cache_salt starting with "
+        "kmesh-approx, reuses any message another request of that tenant computed",
+    )
+    serve.add_argument(
+        "--reuse-ratio",
+        type=float,
+        default=None,
+        help="with --reuse-messages: share of the reused rows recomputed (default: "
+        "per-request recovery's; docs/SERVE.md has the sweep)",
+    )
+    add_store_option(serve)
+    serve.add_argument(
+        "--recovery-bytes",
+        default=None,
+        metavar="SIZE",
+        help="what recovery keeps (stored segments, round masters) at most, like 256M "
+        "(default 1G; least recently used dropped first)",
+    )
+    serve.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help='JSON {"API key": "tenant", ...}: requests need `Authorization: Bearer KEY`, and '
+        "state never crosses tenants (default: no keys, one namespace)",
+    )
+    serve.set_defaults(func=_serve)

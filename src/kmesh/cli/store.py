@@ -1,0 +1,44 @@
+"""`kmesh store serve`: the shared state store on a Unix socket (kmesh/store/server.py)."""
+
+import argparse
+
+from kmesh.cli.common import Commands
+
+
+def _store_serve(args: argparse.Namespace) -> None:
+    from kmesh.state.tenants import load_api_keys
+    from kmesh.store.server import parse_size, serve
+
+    capacity = parse_size(args.capacity)
+    api_keys = None if args.api_keys is None else load_api_keys(args.api_keys)
+
+    def ready() -> None:
+        print(f"kmesh store: listening on {args.socket}, capacity {capacity} bytes", flush=True)
+
+    serve(args.socket, capacity, lease=args.lease, on_ready=ready, api_keys=api_keys)
+
+
+def register(commands: Commands) -> None:
+    store = commands.add_parser("store", help="the shared state store")
+    store_commands = store.add_subparsers(dest="store_command", required=True)
+    store_serve = store_commands.add_parser(
+        "serve", help="serve keyed state in shared memory on a Unix socket until SIGTERM/SIGINT"
+    )
+    store_serve.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    store_serve.add_argument(
+        "--capacity", required=True, help="payload bytes to hold, like 512M, 2G or 1048576"
+    )
+    store_serve.add_argument(
+        "--lease",
+        type=float,
+        default=60.0,
+        help="seconds a leader has to publish or renew before a waiter takes over (default 60)",
+    )
+    store_serve.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help='JSON {"API key": "tenant", ...}: engines give a key (KMESH_STORE_KEY) and see only '
+        "their tenant's entries (default: no keys)",
+    )
+    store_serve.set_defaults(func=_store_serve)
