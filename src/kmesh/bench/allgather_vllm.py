@@ -290,7 +290,7 @@ def run_vllm_allgather_bench(
         DEFAULT_KV_CACHE_BYTES,
         vllm_engine_kwargs,
     )
-    from kmesh.vllm.scheduler_side import model_fingerprint
+    from kmesh.compute.fingerprint import model_fingerprint
 
     path = resolve_model_dir(model)
     hf = json.loads((Path(path) / "config.json").read_text())

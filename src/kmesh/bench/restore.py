@@ -3,7 +3,7 @@
 Per prompt size n (whole blocks of the model's KV, the engine's dtype):
 - restore (shared memory): an engine admits an n-token prompt whose blocks the store holds: one
   acquire for the chain of keys, then per block a mapping of its segment, the checksum check and
-  one copy into the engine's paged cache (the engine's own path, engine/store_link.py);
+  one copy into the engine's paged cache (the engine's own path, engine/block_store.py);
 - restore (socket copy): the same blocks' bytes sent through a Unix socket (a socketpair between
   two threads) and copied into the cache: what restoring costs when bytes cross a socket;
 - recompute: a prefill of the n tokens with the reference engine (only where n fits the model's
