@@ -9,7 +9,7 @@ from kmesh.compute.executor import SequenceInput
 from kmesh.compute.tiny import tiny_executor
 from kmesh.recovery.jobs import RecoverTokens, SegmentSpan
 from kmesh.recovery.requests import RequestRecovery
-from kmesh.recovery.rerotate import rerotate_keys
+from kmesh.compute.rope import rerotate_keys
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
 
 SALT = "kmesh-approx:test"

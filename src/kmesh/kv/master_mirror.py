@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kmesh.compute.config import ModelConfig
-from kmesh.recovery.rerotate import rerotate_keys
+from kmesh.compute.rope import rerotate_keys
 
 
 def _rotate(
