@@ -3,9 +3,10 @@ stand-in rows: which boundaries are kept, and when a later request may take one.
 
 import torch
 
-from kmesh.recovery.jobs import RecoverTokens, SegmentSpan
+from kmesh.recovery.jobs import RecoverTokens
 from kmesh.recovery.prefix_tails import PrefixTails, boundaries
 from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.segments import Role, Span
 
 PAGE = 4
 SPEC = RecoverySpec(policy="none")
@@ -16,7 +17,7 @@ def job(parts, start, tenant="kmesh-approx:t", end=None) -> RecoverTokens:
     ids: list[int] = []
     spans = []
     for i, (role, tokens) in enumerate(parts):
-        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, f"s{i}"))
+        spans.append(Span(len(ids), len(ids) + len(tokens), Role(role), f"s{i}"))
         ids.extend(tokens)
     stop = len(ids) - 1 if end is None else end
     return RecoverTokens("r", ids, [0, 1, 2, 3, 4], start, stop, tenant, spans, SPEC, None)

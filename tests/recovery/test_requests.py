@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from kmesh.compute.executor import SequenceInput
-from kmesh.compute.tiny import tiny_executor
-from kmesh.recovery.jobs import RecoverTokens, SegmentSpan
-from kmesh.recovery.requests import RequestRecovery
 from kmesh.compute.rope import rerotate_keys
+from kmesh.compute.tiny import tiny_executor
+from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.requests import RequestRecovery
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.state.segments import Role, Span
 
 SALT = "kmesh-approx:test"
 BLOCK = 4
@@ -21,19 +22,19 @@ ASK = [60, 61, 62]
 PRIVATE = {"x": [70, 71, 72], "y": [80, 81, 82, 83, 84]}
 
 
-def prompt(order: str, private: str = "x", ask=ASK) -> tuple[list[int], list[SegmentSpan]]:
+def prompt(order: str, private: str = "x", ask=ASK) -> tuple[list[int], list[Span]]:
     parts = [("system", "shared", SYSTEM), (private, "private", PRIVATE[private])]
     parts += [(name, "shared", {"a": A, "b": B}[name]) for name in order]
     parts.append(("ask", "instruction", ask))
     ids: list[int] = []
     spans = []
     for name, role, tokens in parts:
-        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, name))
+        spans.append(Span(len(ids), len(ids) + len(tokens), Role(role), name))
         ids.extend(tokens)
     return ids, spans
 
 
-def span(spans: list[SegmentSpan], name: str) -> SegmentSpan:
+def span(spans: list[Span], name: str) -> Span:
     return next(s for s in spans if s.segment_id == name)
 
 

@@ -14,15 +14,8 @@ from typing import Protocol
 import torch
 
 from kmesh.errors import InvalidRequestError
-from kmesh.state.request_meta import KMeshParams, RecoverySpec
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentSpan:
-    start: int  # [start, end) in the prompt's token ids
-    end: int
-    role: str  # shared | private | instruction
-    segment_id: str | None
+from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.segments import Span
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +29,7 @@ class RecoverTokens:
     start: int  # the local prefix hit: rows [0, start) are exact KV already in the pages
     end: int
     tenant: str | None  # cache_salt: the namespace of the stored segment KV
-    spans: list[SegmentSpan]  # the prompt's segments (empty without segments)
+    spans: list[Span]  # the prompt's segments (empty without segments)
     spec: RecoverySpec
     family: str | None
 
@@ -70,7 +63,7 @@ class RecoveryReport:
 class RecoveryRequest:
     """What a request declares for recovery (the reference engine's Request.recovery)."""
 
-    spans: tuple[SegmentSpan, ...]  # its segments, spelling its prompt
+    spans: tuple[Span, ...]  # its segments, spelling its prompt
     spec: RecoverySpec
     family: str | None
 
@@ -94,11 +87,3 @@ class RecoveryRequest:
         missing = [i for i in round_.segments if i not in named]
         if missing:
             raise InvalidRequestError(f"the round names segment ids no span has: {missing}")
-
-
-def spans_of(params: KMeshParams, spans: Sequence[tuple[int, int]]) -> list[SegmentSpan]:
-    """The caller's segments at their token ranges (kmesh.state.request_meta.segment_spans)."""
-    return [
-        SegmentSpan(start, end, segment.role, segment.id)
-        for segment, (start, end) in zip(params.segments or [], spans, strict=True)
-    ]

@@ -22,6 +22,7 @@ import torch
 
 from kmesh.index.segment_index import TenantIndexes
 from kmesh.recovery.jobs import PrefixReader, RecoverTokens
+from kmesh.state.segments import trunk_end
 
 TAIL = "prefix-tail"
 
@@ -32,12 +33,7 @@ def boundaries(job: RecoverTokens) -> list[int]:
     """The prompt positions after which `job`'s prompt is likely continued by another."""
     if not job.spans:
         return []
-    trunk = 0
-    for span in job.spans:
-        if span.role != "shared":
-            break
-        trunk = span.end
-    return sorted({b for b in (trunk, job.spans[-1].start) if b > 0})
+    return sorted({b for b in (trunk_end(job.spans), job.spans[-1].start) if b > 0})
 
 
 class PrefixTails:

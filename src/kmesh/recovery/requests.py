@@ -35,6 +35,7 @@ reader, a dropped master rebuilt by the round's next sibling, a dropped common c
 from the family's leading shared segments.
 """
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -51,11 +52,12 @@ from kmesh.recovery.collective import (
     master_in_common,
     recover_round,
 )
-from kmesh.recovery.jobs import PrefixReader, RecoverTokens, RecoveryReport, SegmentSpan
+from kmesh.recovery.jobs import PrefixReader, RecoverTokens, RecoveryReport
 from kmesh.recovery.ledger import Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.recovery.segment_store import Placed, SegmentStore
+from kmesh.state.segments import Span, trunk_end
 
 # Block granularity of a round's master (the store's unit; independent of vLLM's pages).
 MASTER_BLOCK = 16
@@ -261,11 +263,7 @@ class RequestRecovery:
             self.ledger.touch(("common", tenant, family))
             return common, 0.0
         round_ids = set(job.spec.round.segments) if job.spec.round is not None else set()
-        trunk = 0
-        for span in job.spans:
-            if span.role != "shared" or span.segment_id in round_ids:
-                break
-            trunk = span.end
+        trunk = trunk_end(itertools.takewhile(lambda s: s.segment_id not in round_ids, job.spans))
         if trunk == 0:
             common = CommonContext(self._blank(0), self._blank(0))
         else:
@@ -354,7 +352,7 @@ class RequestRecovery:
         return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
 
 
-def _round_spans(job: RecoverTokens) -> list[SegmentSpan]:
+def _round_spans(job: RecoverTokens) -> list[Span]:
     """The round's output segments of `job`, in the round's canonical order."""
     assert job.spec.round is not None
     by_id = {span.segment_id: span for span in job.spans}

@@ -25,6 +25,7 @@ from kmesh.index.segment_index import AUTHOR, FIRST_READER, TenantIndexes
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.jobs import RecoverTokens
 from kmesh.recovery.ledger import Ledger
+from kmesh.state.segments import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ class SegmentStore:
         index = self._index(job.tenant)
         placed = {}
         for i, span in enumerate(job.spans):
-            if span.role != "shared" or span.end <= job.start or span.start >= job.end:
+            if span.role is not Role.SHARED or span.end <= job.start or span.start >= job.end:
                 continue
             tokens = job.token_ids[span.start : span.end]
             offset, held, context = 0, tokens, FIRST_READER
@@ -89,7 +90,7 @@ class SegmentStore:
         for span in job.spans:
             crosses = job.start <= span.start < job.end < span.end
             tokens = job.token_ids[span.start : span.end]
-            if span.role == "shared" and crosses and index.get(tokens, FIRST_READER) is None:
+            if span.role is Role.SHARED and crosses and index.get(tokens, FIRST_READER) is None:
                 end = max(end, span.end)
         return end
 
@@ -102,7 +103,7 @@ class SegmentStore:
         index = self._index(job.tenant)
         end = job.start + len(reused)
         for span in job.spans:
-            if span.role != "shared" or span.start < job.start or span.end > end:
+            if span.role is not Role.SHARED or span.start < job.start or span.end > end:
                 continue
             rows = slice(span.start - job.start, span.end - job.start)
             tokens = job.token_ids[span.start : span.end]
