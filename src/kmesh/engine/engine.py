@@ -19,7 +19,7 @@ import torch
 from kmesh.compute.executor import Executor
 from kmesh.compute.lora import LoraAdapter
 from kmesh.engine.adapters import Adapters
-from kmesh.engine.kv_manager import KVCacheManager, blocks_for
+from kmesh.engine.kv_manager import KVCacheManager
 from kmesh.engine.request import Request, RequestOutput, TopLogprobs
 from kmesh.engine.runner import ModelRunner
 from kmesh.engine.sampler import sample
@@ -28,6 +28,7 @@ from kmesh.engine.sequence import Sequence
 from kmesh.engine.stop_strings import first_stop
 from kmesh.engine.store_link import StoreLink
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
+from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
 from kmesh.state.families import FamilyRegistry

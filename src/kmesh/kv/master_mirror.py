@@ -32,6 +32,7 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.rope import rerotate_keys
+from kmesh.kv.block_pool import blocks_for
 
 
 def _rotate(
@@ -71,7 +72,7 @@ class Master:
         for first, length, start in zip(
             self.segment_first_block, self.segment_lengths, self.segment_starts, strict=True
         ):
-            count = -(-length // self.block_size)
+            count = blocks_for(length, self.block_size)
             offsets = torch.arange(count, device=device) * self.block_size
             positions[first : first + count] = start + offsets
         return positions
@@ -112,7 +113,7 @@ class Master:
             ):
                 raise ValueError(f"segment {i}: positions are not consecutive")
             lengths.append(k.shape[1])
-        counts = [-(-n // block_size) for n in lengths]
+        counts = [blocks_for(n, block_size) for n in lengths]
         firsts = [sum(counts[:i]) for i in range(len(counts))]
         layers, heads, dim = shape
         blocks = torch.zeros(
@@ -163,7 +164,7 @@ class Mirror:
         blocks_before = 0
         for segment in order:
             n = master.segment_lengths[segment]
-            count = -(-n // bs)
+            count = blocks_for(n, bs)
             first = master.segment_first_block[segment]
             tables.append(torch.arange(first, first + count, device=device))
             slots.append(blocks_before * bs + torch.arange(n, device=device))

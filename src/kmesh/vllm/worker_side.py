@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kmesh.kv.block_pool import blocks_for
 from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
 from kmesh.recovery.requests import Outcome, RequestRecovery
 from kmesh.store import StoreError, TenantClients
@@ -191,7 +192,7 @@ class WorkerSide:
     def _give_back(self, job: RecoverTokens) -> None:
         """Report a job's claimed blocks as not loaded: vLLM's prefill computes them."""
         block = self.layout.block_size
-        self._load_errors.update(job.block_ids[job.start // block : -(-job.end // block)])
+        self._load_errors.update(job.block_ids[job.start // block : blocks_for(job.end, block)])
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
