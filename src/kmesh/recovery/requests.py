@@ -64,7 +64,14 @@ MASTER_BLOCK = 16
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
 
-_Key = tuple[str | None, str, str]  # (tenant, family, round id)
+
+@dataclass(frozen=True, slots=True)
+class _RoundKey:
+    """A round's siblings and master: one round of one family in one tenant's namespace."""
+
+    tenant: str | None
+    family: str
+    round_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +104,7 @@ class RequestRecovery:
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons: dict[tuple[str | None, str], CommonContext] = {}
-        self._masters: dict[_Key, Master] = {}
+        self._masters: dict[_RoundKey, Master] = {}
 
     def run(
         self, jobs: Sequence[RecoverTokens], pages: PrefixReader, write: Writer
@@ -108,7 +115,7 @@ class RequestRecovery:
         an engine's prefix cache can hand it pages this step fills). A job whose prefix a kept
         tail continues starts after it (the tail's rows are written as they are)."""
         outcomes: dict[str, Outcome] = {}
-        rounds: dict[_Key, list[RecoverTokens]] = {}
+        rounds: dict[_RoundKey, list[RecoverTokens]] = {}
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
@@ -118,7 +125,7 @@ class RequestRecovery:
                 outcomes[job.request_id] = self._finish(job, outcome, tails)
                 write(job, outcomes[job.request_id])
             else:
-                rounds.setdefault((job.tenant, job.family, round_.id), []).append(job)
+                rounds.setdefault(_RoundKey(job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
             tails = TailPages(pages)
             done = self._round(key, [self._continued(job, tails) for job in siblings], tails)
@@ -170,7 +177,7 @@ class RequestRecovery:
     # -- collective ------------------------------------------------------------------------
 
     def _round(
-        self, key: _Key, jobs: list[RecoverTokens], pages: PrefixReader
+        self, key: _RoundKey, jobs: list[RecoverTokens], pages: PrefixReader
     ) -> dict[str, Outcome]:
         """A round's siblings of this step through kmesh.recovery.collective; without a kept
         master, the first is the master sibling ("sibling" choice) or the master is recovered in
@@ -222,14 +229,14 @@ class RequestRecovery:
             spans,
         )
 
-    def _keep_master(self, key: _Key, master: Master) -> None:
+    def _keep_master(self, key: _RoundKey, master: Master) -> None:
         self._masters[key] = master
         self._hold(("master", key), master.nbytes)
 
-    def _common_master(self, key: _Key, job: RecoverTokens) -> tuple[Master, float]:
+    def _common_master(self, key: _RoundKey, job: RecoverTokens) -> tuple[Master, float]:
         """The "common" choice: the round's outputs recovered after the family's common context
         (its leading shared segments, then every earlier round's master), from their stored KV."""
-        tenant, family, _ = key
+        tenant, family = key.tenant, key.family
         round_ = job.spec.round
         assert round_ is not None
         common, cost = self._common_of(tenant, family, job)
@@ -339,7 +346,7 @@ class RequestRecovery:
         for dropped in self.ledger.hold(key, nbytes):
             if dropped[0] == "segment":  # ("segment", tenant, tokens, context)
                 self.segments.discard(dropped[1], dropped[2], dropped[3])
-            elif dropped[0] == "master":  # ("master", (tenant, family, round id))
+            elif dropped[0] == "master":  # ("master", _RoundKey)
                 self._masters.pop(dropped[1], None)
             elif dropped[0] == "tail":  # ("tail", tenant, prefix tokens)
                 if self.tails is not None:
