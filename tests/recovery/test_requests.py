@@ -8,7 +8,7 @@ import torch
 from kmesh.compute.executor import SequenceInput
 from kmesh.compute.rope import rerotate_keys
 from kmesh.compute.tiny import tiny_executor
-from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.requests import RequestRecovery
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
 from kmesh.state.segments import Role, Span
@@ -59,7 +59,7 @@ def model():
 def job(ids, spans, spec, start=BLOCK, request_id="r", tenant=SALT, family=None, first_block=0):
     end = (len(ids) - 1) // BLOCK * BLOCK
     blocks = list(range(first_block, first_block + -(-len(ids) // BLOCK)))
-    return RecoverTokens(request_id, ids, blocks, start, end, tenant, spans, spec, family)
+    return RecoveryJob(request_id, ids, blocks, start, end, tenant, spans, spec, family)
 
 
 def run(recovery, executor, ids, spans, spec, **kw):

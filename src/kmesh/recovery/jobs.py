@@ -1,7 +1,7 @@
 """What a request asks of recovery, and what recovery reports: the same in both engines.
 
 A request that declares segments and a RecoverySpec (kmesh.state.request_meta) is handed to
-kmesh.recovery.requests.RequestRecovery as a RecoverTokens job: fill its rows [start, end) after
+kmesh.recovery.requests.RequestRecovery as a RecoveryJob: fill its rows [start, end) after
 its exact prefix (vLLM's local prefix hit, or the reference engine's). vLLM's connector builds the
 job in its scheduler half and runs it in its worker half; the reference engine builds and runs it
 in its runner. Each engine reads a job's exact prefix back from its own pages (a PrefixReader).
@@ -19,7 +19,7 @@ from kmesh.state.segments import Span
 
 
 @dataclass(frozen=True, slots=True)
-class RecoverTokens:
+class RecoveryJob:
     """Fill the request's rows [start, end) by recovery (kmesh/recovery/requests.py); the
     engine computes the rest of the prompt after them."""
 

@@ -52,7 +52,7 @@ from kmesh.recovery.collective import (
     master_in_common,
     recover_round,
 )
-from kmesh.recovery.jobs import PrefixReader, RecoverTokens, RecoveryReport
+from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RecoveryReport
 from kmesh.recovery.ledger import Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
@@ -83,7 +83,7 @@ class Outcome:
 
 
 # Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
-Writer = Callable[[RecoverTokens, Outcome], None]
+Writer = Callable[[RecoveryJob, Outcome], None]
 
 
 class RequestRecovery:
@@ -107,7 +107,7 @@ class RequestRecovery:
         self._masters: dict[_RoundKey, Master] = {}
 
     def run(
-        self, jobs: Sequence[RecoverTokens], pages: PrefixReader, write: Writer
+        self, jobs: Sequence[RecoveryJob], pages: PrefixReader, write: Writer
     ) -> dict[str, Outcome]:
         """Recover one step's jobs: per-request ones in order (each may store segments and
         tails the next reuses), each round's siblings together. Each outcome goes to `write`
@@ -115,7 +115,7 @@ class RequestRecovery:
         an engine's prefix cache can hand it pages this step fills). A job whose prefix a kept
         tail continues starts after it (the tail's rows are written as they are)."""
         outcomes: dict[str, Outcome] = {}
-        rounds: dict[_RoundKey, list[RecoverTokens]] = {}
+        rounds: dict[_RoundKey, list[RecoveryJob]] = {}
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
@@ -134,7 +134,7 @@ class RequestRecovery:
                 write(job, outcomes[job.request_id])
         return outcomes
 
-    def _continued(self, job: RecoverTokens, tails: TailPages) -> RecoverTokens:
+    def _continued(self, job: RecoveryJob, tails: TailPages) -> RecoveryJob:
         """The job after the longest kept tail its prefix continues, the tail handed to
         `tails` (which then serves its rows as prefix); the job itself without one."""
         found = None if self.tails is None else self.tails.find(job)
@@ -145,7 +145,7 @@ class RequestRecovery:
         tails.add(job, rows)
         return replace(job, start=end)
 
-    def _finish(self, job: RecoverTokens, outcome: Outcome, tails: TailPages) -> Outcome:
+    def _finish(self, job: RecoveryJob, outcome: Outcome, tails: TailPages) -> Outcome:
         """The outcome over the job's whole claim (a used tail's rows first), its tails kept."""
         tail = tails.of(job)
         if tail is not None:
@@ -162,7 +162,7 @@ class RequestRecovery:
 
     # -- per request -----------------------------------------------------------------------
 
-    def _per_request(self, job: RecoverTokens, pages: PrefixReader) -> Outcome:
+    def _per_request(self, job: RecoveryJob, pages: PrefixReader) -> Outcome:
         end = self.segments.storing_end(job)
         region = self._region(job, pages, self.segments.placed(job), end)
         recovered = recover(self.executor, [region], self._config(job))[0]
@@ -177,7 +177,7 @@ class RequestRecovery:
     # -- collective ------------------------------------------------------------------------
 
     def _round(
-        self, key: _RoundKey, jobs: list[RecoverTokens], pages: PrefixReader
+        self, key: _RoundKey, jobs: list[RecoveryJob], pages: PrefixReader
     ) -> dict[str, Outcome]:
         """A round's siblings of this step through kmesh.recovery.collective; without a kept
         master, the first is the master sibling ("sibling" choice) or the master is recovered in
@@ -216,7 +216,7 @@ class RequestRecovery:
             outcomes[job.request_id] = Outcome(report, k, v)
         return outcomes
 
-    def _sibling(self, job: RecoverTokens, pages: PrefixReader, holds_master: bool) -> SiblingInput:
+    def _sibling(self, job: RecoveryJob, pages: PrefixReader, holds_master: bool) -> SiblingInput:
         """The job as a round sibling: its claimed rows (a master sibling's to the end of the
         round's last segment, which may reach the prompt's last token: those tokens are computed
         twice), its exact prefix read back from vLLM's pages."""
@@ -233,7 +233,7 @@ class RequestRecovery:
         self._masters[key] = master
         self._hold(("master", key), master.nbytes)
 
-    def _common_master(self, key: _RoundKey, job: RecoverTokens) -> tuple[Master, float]:
+    def _common_master(self, key: _RoundKey, job: RecoveryJob) -> tuple[Master, float]:
         """The "common" choice: the round's outputs recovered after the family's common context
         (its leading shared segments, then every earlier round's master), from their stored KV."""
         tenant, family = key.tenant, key.family
@@ -262,7 +262,7 @@ class RequestRecovery:
         return master, cost + shared.computed_tokens
 
     def _common_of(
-        self, tenant: str | None, family: str, job: RecoverTokens
+        self, tenant: str | None, family: str, job: RecoveryJob
     ) -> tuple[CommonContext, float]:
         """The family's common context; its leading shared segments are computed on first use."""
         common = self._commons.get((tenant, family))
@@ -285,7 +285,7 @@ class RequestRecovery:
 
     def _region(
         self,
-        job: RecoverTokens,
+        job: RecoveryJob,
         pages: PrefixReader,
         reused: dict[int, Placed],
         end: int | None = None,
@@ -322,7 +322,7 @@ class RequestRecovery:
             segment,
         )
 
-    def _prefix(self, job: RecoverTokens, pages: PrefixReader) -> DenseKV | None:
+    def _prefix(self, job: RecoveryJob, pages: PrefixReader) -> DenseKV | None:
         """The exact KV of rows [0, start), read back from vLLM's pages."""
         if job.start == 0:
             return None
@@ -330,7 +330,7 @@ class RequestRecovery:
         k, v = pages.read(job.block_ids, positions)
         return DenseKV(positions, list(k), list(v))
 
-    def _config(self, job: RecoverTokens) -> RecoveryConfig:
+    def _config(self, job: RecoveryJob) -> RecoveryConfig:
         spec = job.spec
         return RecoveryConfig(
             spec.policy,
@@ -359,7 +359,7 @@ class RequestRecovery:
         return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
 
 
-def _round_spans(job: RecoverTokens) -> list[Span]:
+def _round_spans(job: RecoveryJob) -> list[Span]:
     """The round's output segments of `job`, in the round's canonical order."""
     assert job.spec.round is not None
     by_id = {span.segment_id: span for span in job.spans}

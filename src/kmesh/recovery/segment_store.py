@@ -23,7 +23,7 @@ import torch
 from kmesh.compute.config import ModelConfig
 from kmesh.index.segment_index import AUTHOR, FIRST_READER, TenantIndexes
 from kmesh.kv.segment_kv import SegmentKV
-from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.ledger import Ledger
 from kmesh.state.segments import Role
 
@@ -58,7 +58,7 @@ class SegmentStore:
         """A segment's first-reader KV (canonical positions), or None."""
         return self._index(tenant).get(tokens, FIRST_READER)
 
-    def placed(self, job: RecoverTokens) -> dict[int, Placed]:
+    def placed(self, job: RecoveryJob) -> dict[int, Placed]:
         """Span index -> the stored KV placed at the span's positions, for shared segments of
         the region stored whole (a first reader's), or holding a kept output (its author's)."""
         index = self._index(job.tenant)
@@ -81,7 +81,7 @@ class SegmentStore:
             placed[i] = Placed(lo, k, v)
         return placed
 
-    def storing_end(self, job: RecoverTokens) -> int:
+    def storing_end(self, job: RecoveryJob) -> int:
         """Where the job's region ends: the claimed rows, extended to the end of a shared
         segment that crosses past them (into the prompt's last token) and is stored nowhere yet
         (so that its first reader can store it whole; those extra tokens are computed twice)."""
@@ -95,7 +95,7 @@ class SegmentStore:
         return end
 
     def store_computed(
-        self, job: RecoverTokens, reused: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, job: RecoveryJob, reused: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store each shared segment of the region [job.start, job.start + len(reused)) that was
         computed in full there (no row of it in `reused` [t]) and is stored nowhere yet; k, v

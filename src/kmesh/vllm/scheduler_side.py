@@ -40,7 +40,7 @@ from typing import Any
 
 from kmesh.compute.fingerprint import fingerprint_files
 from kmesh.errors import KMeshError
-from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
+from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_adapter_block_keys
 from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
@@ -126,7 +126,7 @@ class SchedulerSide:
         # Reserved, waiting for the worker's copy -> the family to pin the entry for, if any.
         self._reserved: dict[TenantKey, str | None] = {}
         self._loads: list[LoadBlock] = []
-        self._recoveries: list[RecoverTokens] = []
+        self._recoveries: list[RecoveryJob] = []
         self._outputs: list[KeepOutput] = []
         # Stats of requests finished this step whose recovery report has not come yet.
         self._finishing: dict[str, dict[str, Any]] = {}
@@ -293,7 +293,7 @@ class SchedulerSide:
         """Queue a recovery job filling the request's rows [start, end) for the worker."""
         start, end = rows
         spans = [] if spec is BASE_FILL else tracked.spans
-        job = RecoverTokens(
+        job = RecoveryJob(
             request.request_id,
             list(request.prompt_token_ids),
             list(block_ids),
