@@ -6,8 +6,9 @@ import pytest
 
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.errors import InvalidRequestError
-from kmesh.recovery.jobs import RecoveryRequest, SegmentSpan
+from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.state.segments import Role, Span
 from tests.conftest import random_tokens
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -25,7 +26,7 @@ def sibling(agent: int, order: str, spec: RecoverySpec, salt: str | None = SALT)
     ids: list[int] = []
     spans = []
     for name, role, tokens in parts:
-        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, name))
+        spans.append(Span(len(ids), len(ids) + len(tokens), Role(role), name))
         ids.extend(tokens)
     recovery = RecoveryRequest(tuple(spans), spec, "council")
     return Request(f"agent-{agent}", tuple(ids), GREEDY, salt, recovery=recovery)
@@ -132,9 +133,9 @@ def test_a_kept_output_is_reused_by_a_later_readers_recovery(make_tiny_engine):
     header = random_tokens(3, seed=8)
     ids = [*PRIVATE[0], *header, *said, *ASK]
     spans = (
-        SegmentSpan(0, len(PRIVATE[0]), "private", "p0"),
-        SegmentSpan(len(PRIVATE[0]), len(PRIVATE[0]) + len(header) + len(said), "shared", "said"),
-        SegmentSpan(len(ids) - len(ASK), len(ids), "instruction", "ask"),
+        Span(0, len(PRIVATE[0]), Role.PRIVATE, "p0"),
+        Span(len(PRIVATE[0]), len(PRIVATE[0]) + len(header) + len(said), Role.SHARED, "said"),
+        Span(len(ids) - len(ASK), len(ids), Role.INSTRUCTION, "ask"),
     )
     spec = RecoverySpec(policy="none", gate=None)
     reader = Request(

@@ -4,9 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kmesh.compute.config import ModelConfig
+from kmesh.compute.rope import rerotate_keys
 from kmesh.compute.tiny import TINY_HF_CONFIG
-from kmesh.kv.master_mirror import Master, Mirror, kv_digest, restore
-from kmesh.recovery.rerotate import rerotate_keys
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest, restore
 
 CONFIG = ModelConfig.from_hf(TINY_HF_CONFIG)
 LAYERS, HEADS, DIM = CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim
@@ -22,7 +22,7 @@ def make_segments(
         k = torch.randn(LAYERS, n, HEADS, DIM, generator=gen)
         v = torch.randn(LAYERS, n, HEADS, DIM, generator=gen)
         offset = int(torch.randint(0, 60, (1,), generator=gen))
-        segments.append((k, v, offset + torch.arange(n)))
+        segments.append(MasterSegment(k, v, offset + torch.arange(n)))
     return segments
 
 
@@ -64,9 +64,9 @@ def test_restore_without_diff_is_the_segments_rotated_to_sibling_positions():
     assert master.segment_first_block == (0, 1, 3)
     assert mirror.block_table.tolist() == [3, 4, 5, 0, 1, 2]
     assert mirror.positions.tolist() == list(range(37, 37 + sum(LENGTHS)))
-    source_k = torch.cat([segments[i][0] for i in ORDER], dim=1)
-    source_v = torch.cat([segments[i][1] for i in ORDER], dim=1)
-    source_positions = torch.cat([segments[i][2] for i in ORDER])
+    source_k = torch.cat([segments[i].k for i in ORDER], dim=1)
+    source_v = torch.cat([segments[i].v for i in ORDER], dim=1)
+    source_positions = torch.cat([segments[i].positions for i in ORDER])
     expected_k = rotate_all_layers(source_k, source_positions, mirror.positions)
     torch.testing.assert_close(k, expected_k, atol=1e-5, rtol=0)
     assert torch.equal(v, source_v)
@@ -173,11 +173,11 @@ def test_order_must_be_a_permutation():
 
 def test_shape_and_range_errors_name_the_problem():
     segments = make_segments(LENGTHS, seed=5)
-    k, v, positions = segments[0]
+    k, v, positions = segments[0].k, segments[0].v, segments[0].positions
     with pytest.raises(ValueError, match="segment 0: k has shape"):
-        Master.build([(k[:, :, :1], v, positions)], 8, CONFIG)
+        Master.build([MasterSegment(k[:, :, :1], v, positions)], 8, CONFIG)
     with pytest.raises(ValueError, match="segment 0: positions shape"):
-        Master.build([(k, v, positions[:-1])], 8, CONFIG)
+        Master.build([MasterSegment(k, v, positions[:-1])], 8, CONFIG)
 
     master = Master.build(segments, 8, CONFIG)
     mirror = Mirror.of(master, ORDER, 0)

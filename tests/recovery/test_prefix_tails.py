@@ -3,29 +3,30 @@ stand-in rows: which boundaries are kept, and when a later request may take one.
 
 import torch
 
-from kmesh.recovery.jobs import RecoverTokens, SegmentSpan
+from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.prefix_tails import PrefixTails, boundaries
 from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.segments import Role, Span
 
 PAGE = 4
 SPEC = RecoverySpec(policy="none")
 
 
-def job(parts, start, tenant="kmesh-approx:t", end=None) -> RecoverTokens:
+def job(parts, start, tenant="kmesh-approx:t", end=None) -> RecoveryJob:
     """A job over segments given as (role, tokens), claiming [start, end or the last token)."""
     ids: list[int] = []
     spans = []
     for i, (role, tokens) in enumerate(parts):
-        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, f"s{i}"))
+        spans.append(Span(len(ids), len(ids) + len(tokens), Role(role), f"s{i}"))
         ids.extend(tokens)
     stop = len(ids) - 1 if end is None else end
-    return RecoverTokens("r", ids, [0, 1, 2, 3, 4], start, stop, tenant, spans, SPEC, None)
+    return RecoveryJob("r", ids, [0, 1, 2, 3, 4], start, stop, tenant, spans, SPEC, None)
 
 
 SYSTEM = ("shared", [1, 2, 3, 4, 5, 6])  # the trunk ends at 6, inside page [4, 8)
 
 
-def rows(work: RecoverTokens) -> tuple[torch.Tensor, torch.Tensor]:
+def rows(work: RecoveryJob) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct rows for the claim [start, end): row i holds position start + i."""
     n = work.end - work.start
     k = torch.arange(work.start, work.end, dtype=torch.float32).view(1, n, 1, 1).expand(2, n, 1, 3)

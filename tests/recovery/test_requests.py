@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from kmesh.compute.executor import SequenceInput
+from kmesh.compute.rope import rerotate_keys
 from kmesh.compute.tiny import tiny_executor
-from kmesh.recovery.jobs import RecoverTokens, SegmentSpan
+from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.requests import RequestRecovery
-from kmesh.recovery.rerotate import rerotate_keys
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.state.segments import Role, Span
 
 SALT = "kmesh-approx:test"
 BLOCK = 4
@@ -21,19 +22,19 @@ ASK = [60, 61, 62]
 PRIVATE = {"x": [70, 71, 72], "y": [80, 81, 82, 83, 84]}
 
 
-def prompt(order: str, private: str = "x", ask=ASK) -> tuple[list[int], list[SegmentSpan]]:
+def prompt(order: str, private: str = "x", ask=ASK) -> tuple[list[int], list[Span]]:
     parts = [("system", "shared", SYSTEM), (private, "private", PRIVATE[private])]
     parts += [(name, "shared", {"a": A, "b": B}[name]) for name in order]
     parts.append(("ask", "instruction", ask))
     ids: list[int] = []
     spans = []
     for name, role, tokens in parts:
-        spans.append(SegmentSpan(len(ids), len(ids) + len(tokens), role, name))
+        spans.append(Span(len(ids), len(ids) + len(tokens), Role(role), name))
         ids.extend(tokens)
     return ids, spans
 
 
-def span(spans: list[SegmentSpan], name: str) -> SegmentSpan:
+def span(spans: list[Span], name: str) -> Span:
     return next(s for s in spans if s.segment_id == name)
 
 
@@ -58,7 +59,7 @@ def model():
 def job(ids, spans, spec, start=BLOCK, request_id="r", tenant=SALT, family=None, first_block=0):
     end = (len(ids) - 1) // BLOCK * BLOCK
     blocks = list(range(first_block, first_block + -(-len(ids) // BLOCK)))
-    return RecoverTokens(request_id, ids, blocks, start, end, tenant, spans, spec, family)
+    return RecoveryJob(request_id, ids, blocks, start, end, tenant, spans, spec, family)
 
 
 def run(recovery, executor, ids, spans, spec, **kw):

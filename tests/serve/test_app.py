@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
-from kmesh.recovery.jobs import RecoveryRequest, spans_of
+from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.serve.app import create_app
 from kmesh.serve.backend import Delta, GenerationJob
 from kmesh.serve.branches import prefix_shared_branches
@@ -639,7 +639,7 @@ def test_a_declared_round_is_served_with_a_master_and_mirrors(client, backend, r
         kmesh = parse_kmesh_params(round_member(member, order))
         ids, spans = segment_spans(tok, kmesh)
         assert kmesh.recovery is not None
-        recovery = RecoveryRequest(tuple(spans_of(kmesh, spans)), kmesh.recovery, kmesh.family)
+        recovery = RecoveryRequest(tuple(spans), kmesh.recovery, kmesh.family)
         params = SamplingParams(max_tokens=2)
         out = engine.generate([Request(f"m{member}", tuple(ids), params, salt, recovery=recovery)])
         stats = out[0].stats

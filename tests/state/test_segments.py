@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kmesh.errors import ContractError
-from kmesh.state.segments import Role, Segment, SegmentedPrompt, Span
+from kmesh.state.segments import Role, Segment, SegmentedPrompt, Span, trunk_end
 
 
 @st.composite
@@ -57,3 +57,11 @@ def test_a_segment_id_means_one_content():
     assert len(same.segments) == 2
     with pytest.raises(ContractError, match="'a' is used for two different"):
         SegmentedPrompt.of([Segment((1, 2), segment_id="a"), Segment((1, 3), segment_id="a")])
+
+
+def test_the_trunk_is_the_leading_run_of_shared_spans():
+    shared, private = Role.SHARED, Role.PRIVATE
+    assert trunk_end([Span(0, 4, shared), Span(4, 9, shared), Span(9, 12, private)]) == 9
+    assert trunk_end([Span(0, 4, shared), Span(4, 9, private), Span(9, 12, shared)]) == 4
+    assert trunk_end([Span(0, 4, private), Span(4, 9, shared)]) == 0
+    assert trunk_end([]) == 0

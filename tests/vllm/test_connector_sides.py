@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
+from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.store import StoreClient
 from kmesh.store.segments import write_segment
@@ -378,7 +378,7 @@ def test_worker_blocks_round_trip_through_the_store_byte_for_byte(store):
 def test_worker_abandons_a_block_that_vllm_recomputed_after_a_failed_fill(store):
     side, _ = worker(store)
     spec = RecoverySpec(policy="full")
-    job = RecoverTokens("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
+    job = RecoveryJob("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
     side.recover(KMeshConnectorMetadata(recoveries=[job]), attention_layers={})  # no model
     key = bytes(32)
     with StoreClient(store.socket) as client:
@@ -424,7 +424,7 @@ def test_hits_stay_pinned_until_the_request_that_loads_them_finishes(store):
 def test_worker_without_an_attached_model_gives_claimed_blocks_back_to_vllm(store):
     side, _ = worker(store)
     spec = RecoverySpec(policy="full")
-    job = RecoverTokens("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
+    job = RecoveryJob("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
     side.recover(KMeshConnectorMetadata(recoveries=[job]), attention_layers={})
     assert side.take_load_errors() == {4}  # block 1 of the request: rows [4, 8)
 

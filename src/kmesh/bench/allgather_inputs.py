@@ -18,6 +18,7 @@ import torch
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.index.segment_index import AUTHOR, SegmentIndex
+from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.collective import SharedSegment, SiblingInput
 from kmesh.recovery.recover import Recovered, RegionInput
@@ -186,7 +187,7 @@ class RecoveryInputs:
             len(s.token_ids) for s in reader.prompt.segments if self.author(r, s) is not None
         ][-self.agents :]
         bs = self.block_size
-        return sum(-(-n // bs) for n in lengths) * self.block_bytes
+        return sum(blocks_for(n, bs) for n in lengths) * self.block_bytes
 
     def _blank(self, n: int) -> torch.Tensor:
         c = self.config

@@ -284,13 +284,13 @@ def run_vllm_allgather_bench(
 
     from vllm import LLM
 
+    from kmesh.compute.fingerprint import model_fingerprint
     from kmesh.compute.loader import resolve_model_dir
     from kmesh.vllm.config import (
         DEFAULT_BLOCK_SIZE,
         DEFAULT_KV_CACHE_BYTES,
         vllm_engine_kwargs,
     )
-    from kmesh.compute.fingerprint import model_fingerprint
 
     path = resolve_model_dir(model)
     hf = json.loads((Path(path) / "config.json").read_text())

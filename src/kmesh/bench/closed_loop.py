@@ -21,7 +21,7 @@ from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
 from kmesh.bench.strategy_requests import strategy_request
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
-from kmesh.recovery.jobs import RecoveryRequest, SegmentSpan
+from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.state.request_meta import parse_kmesh_params
 from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, Council
 
@@ -71,11 +71,7 @@ def reference_closed_loop(
             recovery = None
             declared = None if kmesh is None else parse_kmesh_params(kmesh)
             if declared is not None and declared.recovery is not None:
-                spans = tuple(
-                    SegmentSpan(s.start, s.end, s.role.value, s.segment_id)
-                    for s in turn.prompt.spans
-                )
-                recovery = RecoveryRequest(spans, declared.recovery, declared.family)
+                recovery = RecoveryRequest(turn.prompt.spans, declared.recovery, declared.family)
             request_id = f"closed-{name}-{r}-{turn.agent}-{next(ids)}"
             keep = declared is not None and declared.keep_output
             requests.append(

@@ -25,9 +25,9 @@ from rich.table import Column, Table
 
 from kmesh.compute.executor import Executor
 from kmesh.engine.engine import Engine
-from kmesh.engine.kv_manager import blocks_for
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
 from kmesh.errors import InvalidRequestError
+from kmesh.kv.block_pool import blocks_for
 from kmesh.workloads.branching import best_of_n, chain_of_thought, tree_search, tree_seed
 
 MODES = ("best-of-n", "cot", "tree")

@@ -33,9 +33,10 @@ from kmesh.compute.executor import Executor
 from kmesh.compute.loader import load_model
 from kmesh.compute.tiny import tiny_executor
 from kmesh.engine.engine import Engine
-from kmesh.engine.kv_manager import Admission, blocks_for
+from kmesh.engine.kv_manager import Admission
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.engine.sequence import Sequence as EngineSequence
+from kmesh.kv.block_pool import blocks_for
 from kmesh.store import StoreClient
 from kmesh.store.process import start_store
 

@@ -114,8 +114,8 @@ def _bench_allgather_vllm(
     from kmesh.bench.allgather_report import print_table
     from kmesh.bench.allgather_vllm import run_vllm_allgather_bench
     from kmesh.bench.common import report_console
-    from kmesh.compute.loader import resolve_model_dir
     from kmesh.compute.fingerprint import model_fingerprint
+    from kmesh.compute.loader import resolve_model_dir
 
     unsupported = [f"--{n}" for n in ("scale", "report") if getattr(args, n)]
     if trace is None or unsupported:

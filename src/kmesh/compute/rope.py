@@ -6,9 +6,19 @@ is a rotation, a key rotated for position p is moved to position p + d exactly b
 The rotation is computed in float32 whatever the input's dtype and rounded once to it, as vLLM's
 CPU kernel does (`rotary_embedding`, csrc/cpu/pos_encoding.cpp); the cos/sin tables are used as
 given (the executor rounds them to the model's dtype, as vLLM's cos_sin_cache is).
+
+Re-rotation (`rerotate_keys`) moves stored keys to new positions without recomputing them: turns
+compose by adding angles, so a key computed at position p is moved to position q by turning it by
+(q - p) * inv_freq[i]. Values carry no position and never change. Only the key's position changes:
+what the key attended to when it was computed (its context) is not corrected by this; that is what
+recovery's selective recomputation is for. Keys keep their dtype: the turn is computed in float32
+and rounded once, so a bfloat16 key moves with one bfloat16 rounding, the same as a key RoPE'd
+there by the forward pass.
 """
 
 import torch
+
+from kmesh.compute.config import ModelConfig
 
 
 def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -37,3 +47,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos = cos[:, None, :].float()
     sin = sin[:, None, :].float()
     return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+
+
+def rerotate_keys(
+    keys: torch.Tensor,
+    from_positions: torch.Tensor,
+    to_positions: torch.Tensor,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """Keys [..., n, kv_heads, head_dim] (e.g. [layers, n, ...]) computed at `from_positions`
+    [n], as if computed at `to_positions` [n], in the keys' dtype."""
+    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+    cos, sin = rope_cos_sin(to_positions - from_positions, inv_freq)
+    return apply_rope(keys, cos, sin)

@@ -21,7 +21,7 @@ from kmesh.compute.lora import LoraAdapter
 from kmesh.coord.families import FamilyRegistry
 from kmesh.engine.adapters import Adapters
 from kmesh.engine.block_store import BlockStore
-from kmesh.engine.kv_manager import KVCacheManager, blocks_for
+from kmesh.engine.kv_manager import KVCacheManager
 from kmesh.engine.request import Request, RequestOutput, TopLogprobs
 from kmesh.engine.runner import ModelRunner
 from kmesh.engine.sampler import sample
@@ -29,6 +29,7 @@ from kmesh.engine.scheduler import ScheduledBatch, Scheduler
 from kmesh.engine.sequence import Sequence
 from kmesh.engine.stop_strings import first_stop
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
+from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
 from kmesh.state.request_meta import recovery_refusal

@@ -9,12 +9,8 @@ import enum
 from kmesh.engine.block_store import BlockStore
 from kmesh.engine.sequence import Sequence
 from kmesh.index.prefix_index import PrefixIndex
-from kmesh.kv.block_pool import BlockPool
+from kmesh.kv.block_pool import BlockPool, blocks_for
 from kmesh.state.keys import KeyNamespace, activated_adapter, extend_adapter_block_keys
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class Admission(enum.Enum):

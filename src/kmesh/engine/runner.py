@@ -9,7 +9,7 @@ from kmesh.compute.executor import Executor, SequenceInput
 from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
-from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, Outcome, RequestRecovery
 
 
@@ -81,7 +81,7 @@ class ModelRunner:
             claims.append(
                 (
                     seq,
-                    RecoverTokens(
+                    RecoveryJob(
                         seq.request.request_id,
                         seq.token_ids[: seq.num_prompt],
                         list(seq.block_table),
@@ -98,7 +98,7 @@ class ModelRunner:
             return
         by_id = {job.request_id: seq for seq, job in claims}
 
-        def write(job: RecoverTokens, outcome: Outcome) -> None:
+        def write(job: RecoveryJob, outcome: Outcome) -> None:
             seq = by_id[job.request_id]
             seq.stats.recovery = asdict(outcome.report)
             if outcome.k is None or outcome.v is None:

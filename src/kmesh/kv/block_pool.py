@@ -4,6 +4,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks of `block_size` tokens hold `num_tokens` (the last may be partial)."""
+    return -(-num_tokens // block_size)
+
+
 class BlockPool:
     """Hands out block ids and counts their users.
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from kmesh.compute.config import ModelConfig
-from kmesh.recovery.rerotate import rerotate_keys
+from kmesh.compute.rope import rerotate_keys
+from kmesh.kv.block_pool import blocks_for
 
 
 def _rotate(
@@ -46,6 +47,15 @@ def _rotate(
 
 def _rope_geometry(config: ModelConfig) -> tuple[int, int, int, float]:
     return (config.num_layers, config.num_kv_heads, config.head_dim, config.rope_theta)
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
+class MasterSegment:
+    """One segment's KV as it was computed: an input of `Master.build`."""
+
+    k: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    v: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    positions: torch.Tensor  # [n] consecutive: where the keys were computed
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
@@ -71,7 +81,7 @@ class Master:
         for first, length, start in zip(
             self.segment_first_block, self.segment_lengths, self.segment_starts, strict=True
         ):
-            count = -(-length // self.block_size)
+            count = blocks_for(length, self.block_size)
             offsets = torch.arange(count, device=device) * self.block_size
             positions[first : first + count] = start + offsets
         return positions
@@ -79,20 +89,20 @@ class Master:
     @classmethod
     def build(
         cls,
-        segments: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        segments: Sequence[MasterSegment],
         block_size: int,
         config: ModelConfig,
     ) -> "Master":
-        """Segments in canonical order, each (k [L, n_i, H, D], v [L, n_i, H, D], positions
-        [n_i] at which the keys were computed: consecutive)."""
+        """The master of `segments`, in canonical order."""
         if not segments:
             raise ValueError("a master needs at least one segment")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        dtype = segments[0][0].dtype
+        dtype = segments[0].k.dtype
         shape = (config.num_layers, config.num_kv_heads, config.head_dim)
         lengths = []
-        for i, (k, v, positions) in enumerate(segments):
+        for i, segment in enumerate(segments):
+            k, v, positions = segment.k, segment.v, segment.positions
             if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != shape:
                 raise ValueError(
                     f"segment {i}: k has shape {tuple(k.shape)}, expected [L, n, H, D] with "
@@ -112,22 +122,22 @@ class Master:
             ):
                 raise ValueError(f"segment {i}: positions are not consecutive")
             lengths.append(k.shape[1])
-        counts = [-(-n // block_size) for n in lengths]
+        counts = [blocks_for(n, block_size) for n in lengths]
         firsts = [sum(counts[:i]) for i in range(len(counts))]
         layers, heads, dim = shape
         blocks = torch.zeros(
             (sum(counts), 2, layers, block_size, heads, dim),
             dtype=dtype,
-            device=segments[0][0].device,
+            device=segments[0].k.device,
         )
-        for (k, v, _), n, count, first in zip(segments, lengths, counts, firsts, strict=True):
-            padded = k.new_zeros((2, layers, count * block_size, heads, dim))
-            padded[0, :, :n] = k
-            padded[1, :, :n] = v
+        for segment, n, count, first in zip(segments, lengths, counts, firsts, strict=True):
+            padded = segment.k.new_zeros((2, layers, count * block_size, heads, dim))
+            padded[0, :, :n] = segment.k
+            padded[1, :, :n] = segment.v
             blocks[first : first + count] = padded.view(
                 2, layers, count, block_size, heads, dim
             ).permute(2, 0, 1, 3, 4, 5)
-        starts = tuple(int(p[0]) if len(p) else 0 for _, _, p in segments)
+        starts = tuple(int(s.positions[0]) if len(s.positions) else 0 for s in segments)
         return cls(blocks, tuple(lengths), tuple(firsts), starts, block_size, config)
 
 
@@ -163,7 +173,7 @@ class Mirror:
         blocks_before = 0
         for segment in order:
             n = master.segment_lengths[segment]
-            count = -(-n // bs)
+            count = blocks_for(n, bs)
             first = master.segment_first_block[segment]
             tables.append(torch.arange(first, first + count, device=device))
             slots.append(blocks_before * bs + torch.arange(n, device=device))

@@ -4,7 +4,7 @@ Keys are stored as if the segment's tokens sat at positions 0..n-1; `placed` tur
 positions where a prompt puts the segment. Values carry no position and are shared as they are.
 Re-rotation fixes positions only; the context the KV was computed in stays (recovery's job).
 KV stays in the dtype it was computed in (the KV cache's: float32 or bfloat16); turns are
-computed in float32 (recovery/rerotate.py).
+computed in float32 (compute/rope.py).
 """
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kmesh.compute.config import ModelConfig
-from kmesh.recovery.rerotate import rerotate_keys
+from kmesh.compute.rope import rerotate_keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kmesh.compute.executor import DenseKV, Executor
-from kmesh.kv.master_mirror import Master, Mirror, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 
@@ -123,7 +123,7 @@ def master_of_sibling(
                 f"(to {sibling.end}): the master needs every segment's KV"
             )
         k, v = _exact_rows(sibling, recovered, lo, hi)
-        segments.append((k, v, torch.arange(lo, hi)))
+        segments.append(MasterSegment(k, v, torch.arange(lo, hi)))
     return Master.build(segments, block_size, executor.config)
 
 
@@ -196,14 +196,15 @@ def master_in_common(
         policy_cfg,
     )[0]
     master = Master.build(
-        list(
-            zip(
+        [
+            MasterSegment(k, v, p)
+            for k, v, p in zip(
                 shared.k.split(lengths, dim=1),
                 shared.v.split(lengths, dim=1),
                 positions.split(lengths),
                 strict=True,
             )
-        ),
+        ],
         block_size,
         config,
     )

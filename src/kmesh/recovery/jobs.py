@@ -1,7 +1,7 @@
 """What a request asks of recovery, and what recovery reports: the same in both engines.
 
 A request that declares segments and a RecoverySpec (kmesh.state.request_meta) is handed to
-kmesh.recovery.requests.RequestRecovery as a RecoverTokens job: fill its rows [start, end) after
+kmesh.recovery.requests.RequestRecovery as a RecoveryJob: fill its rows [start, end) after
 its exact prefix (vLLM's local prefix hit, or the reference engine's). vLLM's connector builds the
 job in its scheduler half and runs it in its worker half; the reference engine builds and runs it
 in its runner. Each engine reads a job's exact prefix back from its own pages (a PrefixReader).
@@ -14,19 +14,12 @@ from typing import Protocol
 import torch
 
 from kmesh.errors import InvalidRequestError
-from kmesh.state.request_meta import KMeshParams, RecoverySpec
+from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.segments import Span
 
 
 @dataclass(frozen=True, slots=True)
-class SegmentSpan:
-    start: int  # [start, end) in the prompt's token ids
-    end: int
-    role: str  # shared | private | instruction
-    segment_id: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RecoverTokens:
+class RecoveryJob:
     """Fill the request's rows [start, end) by recovery (kmesh/recovery/requests.py); the
     engine computes the rest of the prompt after them."""
 
@@ -36,7 +29,7 @@ class RecoverTokens:
     start: int  # the local prefix hit: rows [0, start) are exact KV already in the pages
     end: int
     tenant: str | None  # cache_salt: the namespace of the stored segment KV
-    spans: list[SegmentSpan]  # the prompt's segments (empty without segments)
+    spans: list[Span]  # the prompt's segments (empty without segments)
     spec: RecoverySpec
     family: str | None
 
@@ -70,7 +63,7 @@ class RecoveryReport:
 class RecoveryRequest:
     """What a request declares for recovery (the reference engine's Request.recovery)."""
 
-    spans: tuple[SegmentSpan, ...]  # its segments, spelling its prompt
+    spans: tuple[Span, ...]  # its segments, spelling its prompt
     spec: RecoverySpec
     family: str | None
 
@@ -94,11 +87,3 @@ class RecoveryRequest:
         missing = [i for i in round_.segments if i not in named]
         if missing:
             raise InvalidRequestError(f"the round names segment ids no span has: {missing}")
-
-
-def spans_of(params: KMeshParams, spans: Sequence[tuple[int, int]]) -> list[SegmentSpan]:
-    """The caller's segments at their token ranges (kmesh.state.request_meta.segment_spans)."""
-    return [
-        SegmentSpan(start, end, segment.role, segment.id)
-        for segment, (start, end) in zip(params.segments or [], spans, strict=True)
-    ]

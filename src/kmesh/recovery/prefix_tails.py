@@ -1,7 +1,7 @@
 """Continuations of a prefix at token granularity: the rows past an engine's last whole page.
 
 An engine's prefix cache hits whole pages, so a prompt that shares more with an earlier one than
-its whole pages hold (a sibling's trunk ending inside a page; an agent's previous prompt minus its
+its whole pages hold (a sibling's trunk ending inside a page; a sibling's previous prompt minus its
 instruction, which its next prompt continues) has the shared rows of that partial page computed
 again. A recovering request keeps those rows at two boundaries of its prompt (`boundaries`): the
 end of its leading shared segments (its family's trunk) and the start of its last segment (where
@@ -21,23 +21,19 @@ from collections.abc import Sequence
 import torch
 
 from kmesh.index.segment_index import TenantIndexes
-from kmesh.recovery.jobs import PrefixReader, RecoverTokens
+from kmesh.recovery.jobs import PrefixReader, RecoveryJob
+from kmesh.state.segments import trunk_end
 
 TAIL = "prefix-tail"
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # k, v [layers, n, kv_heads, head_dim]
 
 
-def boundaries(job: RecoverTokens) -> list[int]:
+def boundaries(job: RecoveryJob) -> list[int]:
     """The prompt positions after which `job`'s prompt is likely continued by another."""
     if not job.spans:
         return []
-    trunk = 0
-    for span in job.spans:
-        if span.role != "shared":
-            break
-        trunk = span.end
-    return sorted({b for b in (trunk, job.spans[-1].start) if b > 0})
+    return sorted({b for b in (trunk_end(job.spans), job.spans[-1].start) if b > 0})
 
 
 class PrefixTails:
@@ -47,7 +43,7 @@ class PrefixTails:
         self.page_size = page_size
         self._tenant: TenantIndexes[Rows] = TenantIndexes(fingerprint)
 
-    def find(self, job: RecoverTokens) -> tuple[int, Rows] | None:
+    def find(self, job: RecoveryJob) -> tuple[int, Rows] | None:
         """The longest kept tail that continues `job`'s prefix inside its claim, ending before
         the claim does: (b, rows [job.start, b)), or None."""
         if job.start % self.page_size:
@@ -60,7 +56,7 @@ class PrefixTails:
         return None
 
     def keep(
-        self, job: RecoverTokens, k: torch.Tensor, v: torch.Tensor
+        self, job: RecoveryJob, k: torch.Tensor, v: torch.Tensor
     ) -> list[tuple[tuple[int, ...], int]]:
         """Keep the tails at `job`'s boundaries from its written rows [start, end) (k, v); the
         token prefixes they were filed under, with their bytes (less than a page of rows each)."""
@@ -88,10 +84,10 @@ class TailPages:
         self.pages = pages
         self._tails: dict[tuple[int, ...], tuple[int, Rows]] = {}
 
-    def add(self, job: RecoverTokens, rows: Rows) -> None:
+    def add(self, job: RecoveryJob, rows: Rows) -> None:
         self._tails[tuple(job.block_ids)] = (job.start, rows)
 
-    def of(self, job: RecoverTokens) -> Rows | None:
+    def of(self, job: RecoveryJob) -> Rows | None:
         held = self._tails.get(tuple(job.block_ids))
         return None if held is None else held[1]
 

@@ -86,6 +86,15 @@ class Recovered:
     fell_back: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What the first phase decided for one region."""
+
+    chosen: torch.Tensor  # sorted indices of the reusable tokens to recompute
+    mean: float | None  # mean relative key deviation at the check layer, if computed
+    fell_back: bool  # the gate sent the region back (recomputed in full, or left to the caller)
+
+
 def recover(
     executor: Executor, regions: Sequence[RegionInput], cfg: RecoveryConfig
 ) -> list[Recovered]:
@@ -114,7 +123,7 @@ def recover(
         check_range,
     )
     early: dict[int, SequenceOutput] = dict(zip(early_rows, first, strict=True))
-    plans = []
+    plans: list[_Plan] = []
     for i, region in enumerate(regions):
         mean = None
         deviation = None
@@ -123,17 +132,17 @@ def recover(
             mean = float(deviation[region.reusable[early_rows[i]]].mean())
         fell_back = gating and mean is not None and cfg.gate is not None and mean > cfg.gate
         chosen = _choose(region, cfg, deviation if scoring else None, fell_back)
-        plans.append((chosen, mean, fell_back))
+        plans.append(_Plan(chosen, mean, fell_back))
     # Second phase: chosen + new tokens through the remaining layers, against the prefix and the
     # reused KV of everything else; from the check layer's residual where the first phase
     # computed all of them, else from the start.
     later = range(cfg.check_layer + 1, layers)
     inputs: dict[int, SequenceInput] = {}
     residuals: dict[int, torch.Tensor] = {}
-    for i, (region, (chosen, _, fell_back)) in enumerate(zip(regions, plans, strict=True)):
-        if fell_back and not cfg.recompute_on_gate:
+    for i, (region, plan) in enumerate(zip(regions, plans, strict=True)):
+        if plan.fell_back and not cfg.recompute_on_gate:
             continue
-        compute = torch.sort(torch.cat((chosen, torch.nonzero(~region.reusable)[:, 0]))).values
+        compute = torch.sort(torch.cat((plan.chosen, torch.nonzero(~region.reusable)[:, 0]))).values
         if len(compute) == 0:
             continue
         inputs[i] = SequenceInput(
@@ -155,22 +164,10 @@ def recover(
         )
     )
     outputs.update(zip(fresh, _run(executor, [inputs[i] for i in fresh], None), strict=True))
-    results = []
-    for i, (region, (chosen, mean, fell_back)) in enumerate(zip(regions, plans, strict=True)):
-        results.append(
-            _assemble(
-                region,
-                chosen,
-                early.get(i),
-                early_rows.get(i),
-                outputs.get(i),
-                mean,
-                fell_back,
-                cfg,
-                layers,
-            )
-        )
-    return results
+    return [
+        _assemble(region, plan, early.get(i), early_rows.get(i), outputs.get(i), cfg, layers)
+        for i, (region, plan) in enumerate(zip(regions, plans, strict=True))
+    ]
 
 
 def _run(
@@ -254,17 +251,15 @@ def _context(region: RegionInput, compute: torch.Tensor) -> DenseKV:
 
 def _assemble(
     region: RegionInput,
-    chosen: torch.Tensor,
+    plan: _Plan,
     early: SequenceOutput | None,
     early_rows: torch.Tensor | None,
     late: SequenceOutput | None,
-    mean: float | None,
-    fell_back: bool,
     cfg: RecoveryConfig,
     layers: int,
 ) -> Recovered:
     t = len(region.token_ids)
-    compute = torch.sort(torch.cat((chosen, torch.nonzero(~region.reusable)[:, 0]))).values
+    compute = torch.sort(torch.cat((plan.chosen, torch.nonzero(~region.reusable)[:, 0]))).values
     k = region.reused_k.clone()
     v = region.reused_v.clone()
     cost = 0.0
@@ -286,4 +281,4 @@ def _assemble(
         cost += len(compute) * len(late.k) / layers
     computed_last = len(compute) > 0 and int(compute[-1]) == t - 1
     last_hidden = late.hidden[-1] if late is not None and computed_last else None
-    return Recovered(k, v, last_hidden, chosen, cost, mean, fell_back)
+    return Recovered(k, v, last_hidden, plan.chosen, cost, plan.mean, plan.fell_back)

@@ -35,6 +35,7 @@ reader, a dropped master rebuilt by the round's next sibling, a dropped common c
 from the family's leading shared segments.
 """
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -51,18 +52,26 @@ from kmesh.recovery.collective import (
     master_in_common,
     recover_round,
 )
-from kmesh.recovery.jobs import PrefixReader, RecoverTokens, RecoveryReport, SegmentSpan
+from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RecoveryReport
 from kmesh.recovery.ledger import Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.recovery.segment_store import Placed, SegmentStore
+from kmesh.state.segments import Span, trunk_end
 
 # Block granularity of a round's master (the store's unit; independent of vLLM's pages).
 MASTER_BLOCK = 16
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
 
-_Key = tuple[str | None, str, str]  # (tenant, family, round id)
+
+@dataclass(frozen=True, slots=True)
+class _RoundKey:
+    """A round's siblings and master: one round of one family in one tenant's namespace."""
+
+    tenant: str | None
+    family: str
+    round_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +83,7 @@ class Outcome:
 
 
 # Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
-Writer = Callable[[RecoverTokens, Outcome], None]
+Writer = Callable[[RecoveryJob, Outcome], None]
 
 
 class RequestRecovery:
@@ -95,10 +104,10 @@ class RequestRecovery:
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons: dict[tuple[str | None, str], CommonContext] = {}
-        self._masters: dict[_Key, Master] = {}
+        self._masters: dict[_RoundKey, Master] = {}
 
     def run(
-        self, jobs: Sequence[RecoverTokens], pages: PrefixReader, write: Writer
+        self, jobs: Sequence[RecoveryJob], pages: PrefixReader, write: Writer
     ) -> dict[str, Outcome]:
         """Recover one step's jobs: per-request ones in order (each may store segments and
         tails the next reuses), each round's siblings together. Each outcome goes to `write`
@@ -106,7 +115,7 @@ class RequestRecovery:
         an engine's prefix cache can hand it pages this step fills). A job whose prefix a kept
         tail continues starts after it (the tail's rows are written as they are)."""
         outcomes: dict[str, Outcome] = {}
-        rounds: dict[_Key, list[RecoverTokens]] = {}
+        rounds: dict[_RoundKey, list[RecoveryJob]] = {}
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
@@ -116,7 +125,7 @@ class RequestRecovery:
                 outcomes[job.request_id] = self._finish(job, outcome, tails)
                 write(job, outcomes[job.request_id])
             else:
-                rounds.setdefault((job.tenant, job.family, round_.id), []).append(job)
+                rounds.setdefault(_RoundKey(job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
             tails = TailPages(pages)
             done = self._round(key, [self._continued(job, tails) for job in siblings], tails)
@@ -125,7 +134,7 @@ class RequestRecovery:
                 write(job, outcomes[job.request_id])
         return outcomes
 
-    def _continued(self, job: RecoverTokens, tails: TailPages) -> RecoverTokens:
+    def _continued(self, job: RecoveryJob, tails: TailPages) -> RecoveryJob:
         """The job after the longest kept tail its prefix continues, the tail handed to
         `tails` (which then serves its rows as prefix); the job itself without one."""
         found = None if self.tails is None else self.tails.find(job)
@@ -136,7 +145,7 @@ class RequestRecovery:
         tails.add(job, rows)
         return replace(job, start=end)
 
-    def _finish(self, job: RecoverTokens, outcome: Outcome, tails: TailPages) -> Outcome:
+    def _finish(self, job: RecoveryJob, outcome: Outcome, tails: TailPages) -> Outcome:
         """The outcome over the job's whole claim (a used tail's rows first), its tails kept."""
         tail = tails.of(job)
         if tail is not None:
@@ -153,7 +162,7 @@ class RequestRecovery:
 
     # -- per request -----------------------------------------------------------------------
 
-    def _per_request(self, job: RecoverTokens, pages: PrefixReader) -> Outcome:
+    def _per_request(self, job: RecoveryJob, pages: PrefixReader) -> Outcome:
         end = self.segments.storing_end(job)
         region = self._region(job, pages, self.segments.placed(job), end)
         recovered = recover(self.executor, [region], self._config(job))[0]
@@ -168,7 +177,7 @@ class RequestRecovery:
     # -- collective ------------------------------------------------------------------------
 
     def _round(
-        self, key: _Key, jobs: list[RecoverTokens], pages: PrefixReader
+        self, key: _RoundKey, jobs: list[RecoveryJob], pages: PrefixReader
     ) -> dict[str, Outcome]:
         """A round's siblings of this step through kmesh.recovery.collective; without a kept
         master, the first is the master sibling ("sibling" choice) or the master is recovered in
@@ -207,7 +216,7 @@ class RequestRecovery:
             outcomes[job.request_id] = Outcome(report, k, v)
         return outcomes
 
-    def _sibling(self, job: RecoverTokens, pages: PrefixReader, holds_master: bool) -> SiblingInput:
+    def _sibling(self, job: RecoveryJob, pages: PrefixReader, holds_master: bool) -> SiblingInput:
         """The job as a round sibling: its claimed rows (a master sibling's to the end of the
         round's last segment, which may reach the prompt's last token: those tokens are computed
         twice), its exact prefix read back from vLLM's pages."""
@@ -220,14 +229,14 @@ class RequestRecovery:
             spans,
         )
 
-    def _keep_master(self, key: _Key, master: Master) -> None:
+    def _keep_master(self, key: _RoundKey, master: Master) -> None:
         self._masters[key] = master
         self._hold(("master", key), master.nbytes)
 
-    def _common_master(self, key: _Key, job: RecoverTokens) -> tuple[Master, float]:
+    def _common_master(self, key: _RoundKey, job: RecoveryJob) -> tuple[Master, float]:
         """The "common" choice: the round's outputs recovered after the family's common context
         (its leading shared segments, then every earlier round's master), from their stored KV."""
-        tenant, family, _ = key
+        tenant, family = key.tenant, key.family
         round_ = job.spec.round
         assert round_ is not None
         common, cost = self._common_of(tenant, family, job)
@@ -253,7 +262,7 @@ class RequestRecovery:
         return master, cost + shared.computed_tokens
 
     def _common_of(
-        self, tenant: str | None, family: str, job: RecoverTokens
+        self, tenant: str | None, family: str, job: RecoveryJob
     ) -> tuple[CommonContext, float]:
         """The family's common context; its leading shared segments are computed on first use."""
         common = self._commons.get((tenant, family))
@@ -261,11 +270,7 @@ class RequestRecovery:
             self.ledger.touch(("common", tenant, family))
             return common, 0.0
         round_ids = set(job.spec.round.segments) if job.spec.round is not None else set()
-        trunk = 0
-        for span in job.spans:
-            if span.role != "shared" or span.segment_id in round_ids:
-                break
-            trunk = span.end
+        trunk = trunk_end(itertools.takewhile(lambda s: s.segment_id not in round_ids, job.spans))
         if trunk == 0:
             common = CommonContext(self._blank(0), self._blank(0))
         else:
@@ -280,7 +285,7 @@ class RequestRecovery:
 
     def _region(
         self,
-        job: RecoverTokens,
+        job: RecoveryJob,
         pages: PrefixReader,
         reused: dict[int, Placed],
         end: int | None = None,
@@ -317,7 +322,7 @@ class RequestRecovery:
             segment,
         )
 
-    def _prefix(self, job: RecoverTokens, pages: PrefixReader) -> DenseKV | None:
+    def _prefix(self, job: RecoveryJob, pages: PrefixReader) -> DenseKV | None:
         """The exact KV of rows [0, start), read back from vLLM's pages."""
         if job.start == 0:
             return None
@@ -325,7 +330,7 @@ class RequestRecovery:
         k, v = pages.read(job.block_ids, positions)
         return DenseKV(positions, list(k), list(v))
 
-    def _config(self, job: RecoverTokens) -> RecoveryConfig:
+    def _config(self, job: RecoveryJob) -> RecoveryConfig:
         spec = job.spec
         return RecoveryConfig(
             spec.policy,
@@ -341,7 +346,7 @@ class RequestRecovery:
         for dropped in self.ledger.hold(key, nbytes):
             if dropped[0] == "segment":  # ("segment", tenant, tokens, context)
                 self.segments.discard(dropped[1], dropped[2], dropped[3])
-            elif dropped[0] == "master":  # ("master", (tenant, family, round id))
+            elif dropped[0] == "master":  # ("master", _RoundKey)
                 self._masters.pop(dropped[1], None)
             elif dropped[0] == "tail":  # ("tail", tenant, prefix tokens)
                 if self.tails is not None:
@@ -354,7 +359,7 @@ class RequestRecovery:
         return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
 
 
-def _round_spans(job: RecoverTokens) -> list[SegmentSpan]:
+def _round_spans(job: RecoveryJob) -> list[Span]:
     """The round's output segments of `job`, in the round's canonical order."""
     assert job.spec.round is not None
     by_id = {span.segment_id: span for span in job.spans}

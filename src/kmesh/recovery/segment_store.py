@@ -23,8 +23,9 @@ import torch
 from kmesh.compute.config import ModelConfig
 from kmesh.index.segment_index import AUTHOR, FIRST_READER, TenantIndexes
 from kmesh.kv.segment_kv import SegmentKV
-from kmesh.recovery.jobs import RecoverTokens
+from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.ledger import Ledger
+from kmesh.state.segments import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +58,13 @@ class SegmentStore:
         """A segment's first-reader KV (canonical positions), or None."""
         return self._index(tenant).get(tokens, FIRST_READER)
 
-    def placed(self, job: RecoverTokens) -> dict[int, Placed]:
+    def placed(self, job: RecoveryJob) -> dict[int, Placed]:
         """Span index -> the stored KV placed at the span's positions, for shared segments of
         the region stored whole (a first reader's), or holding a kept output (its author's)."""
         index = self._index(job.tenant)
         placed = {}
         for i, span in enumerate(job.spans):
-            if span.role != "shared" or span.end <= job.start or span.start >= job.end:
+            if span.role is not Role.SHARED or span.end <= job.start or span.start >= job.end:
                 continue
             tokens = job.token_ids[span.start : span.end]
             offset, held, context = 0, tokens, FIRST_READER
@@ -80,7 +81,7 @@ class SegmentStore:
             placed[i] = Placed(lo, k, v)
         return placed
 
-    def storing_end(self, job: RecoverTokens) -> int:
+    def storing_end(self, job: RecoveryJob) -> int:
         """Where the job's region ends: the claimed rows, extended to the end of a shared
         segment that crosses past them (into the prompt's last token) and is stored nowhere yet
         (so that its first reader can store it whole; those extra tokens are computed twice)."""
@@ -89,12 +90,12 @@ class SegmentStore:
         for span in job.spans:
             crosses = job.start <= span.start < job.end < span.end
             tokens = job.token_ids[span.start : span.end]
-            if span.role == "shared" and crosses and index.get(tokens, FIRST_READER) is None:
+            if span.role is Role.SHARED and crosses and index.get(tokens, FIRST_READER) is None:
                 end = max(end, span.end)
         return end
 
     def store_computed(
-        self, job: RecoverTokens, reused: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, job: RecoveryJob, reused: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store each shared segment of the region [job.start, job.start + len(reused)) that was
         computed in full there (no row of it in `reused` [t]) and is stored nowhere yet; k, v
@@ -102,7 +103,7 @@ class SegmentStore:
         index = self._index(job.tenant)
         end = job.start + len(reused)
         for span in job.spans:
-            if span.role != "shared" or span.start < job.start or span.end > end:
+            if span.role is not Role.SHARED or span.start < job.start or span.end > end:
                 continue
             rows = slice(span.start - job.start, span.end - job.start)
             tokens = job.token_ids[span.start : span.end]

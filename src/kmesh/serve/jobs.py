@@ -19,8 +19,8 @@ from kmesh.state.request_meta import (
     MessageSpec,
     RecoverySpec,
     SegmentSpec,
-    encode_segments,
     parse_kmesh_params,
+    segment_spans,
     with_separated_segments,
 )
 
@@ -88,7 +88,7 @@ def completion_job(request: CompletionRequest, backend: Backend) -> GenerationJo
                 "concatenated; send one of them, or make them equal",
                 "prompt",
             )
-        prompt_ids, _ = encode_segments(backend.tokenizer, kmesh)
+        prompt_ids, _ = segment_spans(backend.tokenizer, kmesh)
     elif prompt is None:
         raise RequestFieldError(
             "prompt is missing: send prompt (a string) or kmesh.segments", "prompt"
@@ -146,7 +146,7 @@ def chat_job(
         prompt_ids = chat_prompt_ids(backend.tokenizer, messages)
     else:
         kmesh = message_segments(kmesh, messages, backend.tokenizer)
-        prompt_ids, _ = encode_segments(backend.tokenizer, kmesh)
+        prompt_ids, _ = segment_spans(backend.tokenizer, kmesh)
     max_tokens = request.max_completion_tokens or request.max_tokens or backend.max_model_len
     return _job(request, backend, prompt_ids, max_tokens, kmesh, "messages")
 

@@ -31,7 +31,7 @@ from kmesh.compute.loader import LoadedModel, load_model
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
 from kmesh.errors import ContractError, KMeshError
-from kmesh.recovery.jobs import RecoveryRequest, spans_of
+from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.state.request_meta import segment_spans
 from kmesh.stats import EngineLoad
@@ -222,7 +222,7 @@ class ReferenceBackend:
         if kmesh is None or kmesh.recovery is None or kmesh.segments is None:
             return None
         _, spans = segment_spans(self.tokenizer, kmesh)
-        return RecoveryRequest(tuple(spans_of(kmesh, spans)), kmesh.recovery, kmesh.family)
+        return RecoveryRequest(tuple(spans), kmesh.recovery, kmesh.family)
 
     def _run(self) -> None:
         live: dict[str, _Live] = {}

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kmesh.errors import ContractError, InvalidRequestError
+from kmesh.state.segments import Role, Span
 from kmesh.state.separator_codec import split_text
 
 KMESH_PARAMS_KEY = "kmesh"
@@ -193,21 +194,10 @@ def parse_kmesh_params(value: object) -> KMeshParams:
         raise InvalidRequestError(f"malformed kmesh field: {problems}") from None
 
 
-def encode_segments(tokenizer: Any, params: KMeshParams) -> tuple[list[int], int]:
+def segment_spans(tokenizer: Any, params: KMeshParams) -> tuple[list[int], list[Span]]:
     """The prompt's token ids as the concatenation of each segment's own tokens (so segment
-    boundaries fall on token boundaries, and every engine sees the same ids), and the number
-    of trunk tokens (the leading shared segments)."""
-    ids, spans = segment_spans(tokenizer, params)
-    trunk = 0
-    for segment, (_, end) in zip(params.segments or [], spans, strict=True):
-        if segment.role != "shared":
-            break
-        trunk = end
-    return ids, trunk
-
-
-def segment_spans(tokenizer: Any, params: KMeshParams) -> tuple[list[int], list[tuple[int, int]]]:
-    """The prompt's token ids and each segment's [start, end) in them."""
+    boundaries fall on token boundaries, and every engine sees the same ids), and each
+    segment's span in them ([start, end), role, id)."""
     if params.segments is None:
         raise InvalidRequestError("kmesh.segments is missing: there is nothing to encode")
     ids: list[int] = list(tokenizer("", add_special_tokens=True)["input_ids"])
@@ -218,5 +208,5 @@ def segment_spans(tokenizer: Any, params: KMeshParams) -> tuple[list[int], list[
             ids.extend(segment.token_ids)
         else:
             ids.extend(tokenizer(segment.text, add_special_tokens=False)["input_ids"])
-        spans.append((start, len(ids)))
+        spans.append(Span(start, len(ids), Role(segment.role), segment.id))
     return ids, spans

@@ -39,6 +39,17 @@ class Span:
     segment_id: str | None = None
 
 
+def trunk_end(spans: Iterable[Span]) -> int:
+    """Where a prompt's trunk ends: the end of its leading run of shared spans (0 when the
+    first span is not shared). A family's trunk is what its members share from the start."""
+    end = 0
+    for span in spans:
+        if span.role is not Role.SHARED:
+            break
+        end = span.end
+    return end
+
+
 @dataclass(frozen=True, slots=True)
 class SegmentedPrompt:
     """A prompt whose token ids are its segments' concatenation. Construct with `of` or

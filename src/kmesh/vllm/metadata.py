@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
+from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.store import Hit
 from kmesh.store.policy import TenantKey
 
@@ -52,7 +52,7 @@ class KeepOutput:
 class KMeshConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadBlock] = field(default_factory=list)
     saves: list[SaveBlock] = field(default_factory=list)
-    recoveries: list[RecoverTokens] = field(default_factory=list)
+    recoveries: list[RecoveryJob] = field(default_factory=list)
     outputs: list[KeepOutput] = field(default_factory=list)
 
 

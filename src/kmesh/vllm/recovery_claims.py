@@ -16,7 +16,8 @@ the executor computes the rest.
 
 from typing import Any
 
-from kmesh.recovery.jobs import RecoverTokens
+from kmesh.kv.block_pool import blocks_for
+from kmesh.recovery.jobs import RecoveryJob
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.vllm.tracked import Tracked
 
@@ -44,12 +45,12 @@ def recovery_job(
     spec: RecoverySpec,
     family: str | None,
     block_size: int,
-) -> RecoverTokens:
+) -> RecoveryJob:
     """The job filling the request's rows [start, end) in the worker; the request counts them
     as recovered (until the worker gives blocks back)."""
     start, end = rows
     spans = [] if spec is BASE_FILL else tracked.spans
-    job = RecoverTokens(
+    job = RecoveryJob(
         request.request_id,
         list(request.prompt_token_ids),
         list(block_ids),
@@ -61,5 +62,5 @@ def recovery_job(
         family,
     )
     tracked.recovered_tokens = end - start
-    tracked.recovered_block_ids = set(block_ids[start // block_size : -(-end // block_size)])
+    tracked.recovered_block_ids = set(block_ids[start // block_size : blocks_for(end, block_size)])
     return job

@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from kmesh.compute.fingerprint import model_fingerprint
-from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
+from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.state.request_meta import RecoverySpec, recovery_refusal
 from kmesh.store.policy import TenantKey
 from kmesh.vllm.layout import BlockLayout
@@ -43,7 +43,7 @@ class SchedulerSide:
         self._tracker = RequestTracker(model, self.fingerprint, self.block_size)
         self._requests: dict[str, Tracked] = {}
         self._loads: list[LoadBlock] = []
-        self._recoveries: list[RecoverTokens] = []
+        self._recoveries: list[RecoveryJob] = []
         self._outputs: list[KeepOutput] = []
         # Stats of requests finished this step whose recovery report has not come yet.
         self._finishing: dict[str, dict[str, Any]] = {}

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kmesh.errors import KMeshError
-from kmesh.recovery.jobs import SegmentSpan, spans_of
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_adapter_block_keys
 from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
@@ -20,6 +19,7 @@ from kmesh.state.request_meta import (
     parse_kmesh_params,
     segment_spans,
 )
+from kmesh.state.segments import Span, trunk_end
 from kmesh.store import Hit
 from kmesh.vllm.activated import Activation, activation_of
 
@@ -34,7 +34,7 @@ class Tracked:
     params: KMeshParams | None
     keys: list[BlockHash]  # chained keys of the prompt's full blocks
     trunk_blocks: int  # the family's pinned blocks: keys[:trunk_blocks]
-    spans: list[SegmentSpan]  # its segments' token ranges (empty without segments)
+    spans: list[Span]  # its segments' token ranges (empty without segments)
     local_tokens: int = 0  # vLLM's local prefix-cache hit
     hits: list[Hit] = field(default_factory=list)  # loadable store hits after the local hit
     loaded_tokens: int = 0
@@ -75,7 +75,7 @@ class RequestTracker:
         trunk = self._trunk_blocks(params, spans, len(keys))
         return Tracked(request.cache_salt, params, keys, trunk, spans, activation=activation)
 
-    def _spans(self, request: Any, params: KMeshParams) -> list[SegmentSpan]:
+    def _spans(self, request: Any, params: KMeshParams) -> list[Span]:
         """The segments' token ranges, if they spell the prompt; else none (all computed)."""
         if params.separator is not None:
             log.warning(
@@ -93,21 +93,14 @@ class RequestTracker:
                 request.request_id,
             )
             return []
-        return spans_of(params, spans)
+        return spans
 
-    def _trunk_blocks(
-        self, params: KMeshParams | None, spans: list[SegmentSpan], num_blocks: int
-    ) -> int:
+    def _trunk_blocks(self, params: KMeshParams | None, spans: list[Span], num_blocks: int) -> int:
         if params is None or params.family is None:
             return 0
         if params.segments is None:
             return num_blocks
-        trunk = 0
-        for span in spans:  # the leading shared segments
-            if span.role != "shared":
-                break
-            trunk = span.end
-        return min(num_blocks, trunk // self.block_size)
+        return min(num_blocks, trunk_end(spans) // self.block_size)
 
     def _tokenizer_of_model(self) -> Any:
         if self._tokenizer is None:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from kmesh.recovery.jobs import RecoverTokens, RecoveryReport
+from kmesh.kv.block_pool import blocks_for
+from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.recovery.requests import Outcome, RequestRecovery
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.segments import encode_meta, write_segment
@@ -129,7 +130,7 @@ class WorkerSide:
                 self._give_back(job)
             jobs = [job for job in jobs if job not in unloaded]
 
-            def write(job: RecoverTokens, outcome: Outcome) -> None:
+            def write(job: RecoveryJob, outcome: Outcome) -> None:
                 self._recovered[job.request_id] = outcome.report
                 if outcome.k is None or outcome.v is None:
                     self._give_back(job)
@@ -144,7 +145,7 @@ class WorkerSide:
                 self._recovered.pop(job.request_id, None)
                 self._give_back(job)
 
-    def _prefix_unloaded(self, job: RecoverTokens) -> bool:
+    def _prefix_unloaded(self, job: RecoveryJob) -> bool:
         """Whether a block of the job's prefix failed to load this step."""
         prefix = job.block_ids[: job.start // self.layout.block_size]
         return not self._load_errors.isdisjoint(prefix)
@@ -185,10 +186,10 @@ class WorkerSide:
                 crc = None
             self._saved[(save.tenant, save.key)] = crc
 
-    def _give_back(self, job: RecoverTokens) -> None:
+    def _give_back(self, job: RecoveryJob) -> None:
         """Report a job's claimed blocks as not loaded: vLLM's prefill computes them."""
         block = self.layout.block_size
-        self._load_errors.update(job.block_ids[job.start // block : -(-job.end // block)])
+        self._load_errors.update(job.block_ids[job.start // block : blocks_for(job.end, block)])
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kmesh.compute.executor import SequenceInput
-from kmesh.recovery.rerotate import rerotate_keys
+from kmesh.compute.rope import rerotate_keys
 from tests.conftest import random_tokens, rope_pair_norms
 
 
