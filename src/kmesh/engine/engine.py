@@ -21,6 +21,7 @@ from kmesh.compute.lora import LoraAdapter
 from kmesh.coord.families import FamilyRegistry
 from kmesh.engine.adapters import Adapters
 from kmesh.engine.block_store import BlockStore
+from kmesh.engine.checks import check_request
 from kmesh.engine.kv_manager import KVCacheManager
 from kmesh.engine.request import Request, RequestOutput, TopLogprobs
 from kmesh.engine.runner import ModelRunner
@@ -296,16 +297,9 @@ class Engine:
                 f"trunk {request.request_id!r} has another tenant salt than branches already "
                 "sent for it: state never crosses tenants"
             )
-        if request.params is not None and request.params.stop and self.decode is None:
-            raise InvalidRequestError(
-                "stop strings need an engine that decodes: construct Engine(decode=...) with "
-                "the tokenizer's decode (LLM and kmesh serve do)"
-            )
-        if request.params is None and not request.retain:
-            raise InvalidRequestError(
-                f"request {request.request_id!r} samples nothing (params=None): only a retained "
-                "request (a trunk to fork) may do that"
-            )
+        check_request(
+            request, self.config, self.kv.block_size, self.kv.pool.num_blocks, self.decode
+        )
         if request.parent_id is not None:
             self.families.check_fork(request.parent_id, 1)
             parent_salt = self._state_salts.get(request.parent_id, request.tenant_salt)
@@ -322,33 +316,6 @@ class Engine:
                     "adapters (only an activated adapter whose invocation follows a base "
                     "trunk may fork it)"
                 )
-        elif not request.prompt_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        if request.recovery is not None:
-            if request.parent_id is not None:
-                raise InvalidRequestError(
-                    "a fork shares its parent's exact state: it takes no recovery"
-                )
-            request.recovery.check(len(request.prompt_ids))
-        n = len(request.prompt_ids)
-        if n > self.config.max_position:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but the model's context is "
-                f"{self.config.max_position} tokens: shorten the prompt"
-            )
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the model's vocabulary [0, {self.config.vocab_size})"
-            )
-        max_tokens = 0 if request.params is None else request.params.max_tokens
-        longest = min(n + max_tokens, self.config.max_position)
-        if blocks_for(longest, self.kv.block_size) > self.kv.pool.num_blocks:
-            raise OutOfBlocksError(
-                f"request {request.request_id!r} needs up to {longest} tokens of KV but the "
-                f"cache holds {self.kv.pool.num_blocks * self.kv.block_size}: raise "
-                "kv_cache_tokens or lower max_tokens"
-            )
 
     def _start_fork(self, request: Request) -> None:
         parent = self._retained[request.parent_id or ""]

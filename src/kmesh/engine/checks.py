@@ -1,0 +1,61 @@
+"""What a request must be for the reference engine to take it, whatever the engine holds.
+
+`check_request` raises InvalidRequestError (or OutOfBlocksError) with what to change: stop strings
+need an engine that decodes, only a retained trunk may sample nothing, a prompt (other than a
+fork's) is not empty, recovery is declared on a prompt and not on a fork, the prompt fits the
+model's context and vocabulary, and the longest the request can grow fits the KV cache. What
+depends on the engine's state (ids in use, families, forks across tenants or adapters) is checked
+by the engine itself.
+"""
+
+from collections.abc import Callable
+
+from kmesh.compute.config import ModelConfig
+from kmesh.engine.request import Request
+from kmesh.errors import InvalidRequestError, OutOfBlocksError
+from kmesh.kv.block_pool import blocks_for
+
+
+def check_request(
+    request: Request,
+    config: ModelConfig,
+    block_size: int,
+    num_blocks: int,
+    decode: Callable[[list[int]], str] | None,
+) -> None:
+    if request.params is not None and request.params.stop and decode is None:
+        raise InvalidRequestError(
+            "stop strings need an engine that decodes: construct Engine(decode=...) with "
+            "the tokenizer's decode (LLM and kmesh serve do)"
+        )
+    if request.params is None and not request.retain:
+        raise InvalidRequestError(
+            f"request {request.request_id!r} samples nothing (params=None): only a retained "
+            "request (a trunk to fork) may do that"
+        )
+    if request.parent_id is None and not request.prompt_ids:
+        raise InvalidRequestError("the prompt is empty: give at least one token")
+    if request.recovery is not None:
+        if request.parent_id is not None:
+            raise InvalidRequestError(
+                "a fork shares its parent's exact state: it takes no recovery"
+            )
+        request.recovery.check(len(request.prompt_ids))
+    n = len(request.prompt_ids)
+    if n > config.max_position:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens but the model's context is "
+            f"{config.max_position} tokens: shorten the prompt"
+        )
+    bad = [t for t in request.prompt_ids if not 0 <= t < config.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is outside the model's vocabulary [0, {config.vocab_size})"
+        )
+    max_tokens = 0 if request.params is None else request.params.max_tokens
+    longest = min(n + max_tokens, config.max_position)
+    if blocks_for(longest, block_size) > num_blocks:
+        raise OutOfBlocksError(
+            f"request {request.request_id!r} needs up to {longest} tokens of KV but the "
+            f"cache holds {num_blocks * block_size}: raise kv_cache_tokens or lower max_tokens"
+        )
