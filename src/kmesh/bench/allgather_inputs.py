@@ -20,7 +20,7 @@ from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.index.segment_index import AUTHOR, SegmentIndex
 from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.segment_kv import SegmentKV
-from kmesh.recovery.collective import SharedSegment, SiblingInput
+from kmesh.recovery.collective import SharedSegment, SiblingInput, blank_kv
 from kmesh.recovery.recover import Recovered, RegionInput
 from kmesh.state.keys import KeyNamespace
 from kmesh.state.segments import Segment
@@ -76,7 +76,7 @@ class RecoveryInputs:
         """A region with nothing reusable: computed in full."""
         tokens = torch.tensor([t for s in segments for t in s.token_ids])
         n = len(tokens)
-        blank = self._blank(n)
+        blank = blank_kv(self.executor, n)
         return RegionInput(
             tokens,
             torch.arange(start, start + n),
@@ -97,7 +97,7 @@ class RecoveryInputs:
             n = len(segment.token_ids)
             author = self.author(r, segment)
             if author is None:
-                k = v = self._blank(n)
+                k = v = blank_kv(self.executor, n)
                 mask = torch.zeros(n, dtype=torch.bool)
             else:
                 shared = self.output_reuse(r - 1, author, turn)
@@ -136,8 +136,8 @@ class RecoveryInputs:
         segment = next(s for s in reader.prompt.segments if s.segment_id == wanted)
         tokens = segment.token_ids
         n = len(tokens)
-        k = self._blank(n)
-        v = self._blank(n)
+        k = blank_kv(self.executor, n)
+        v = blank_kv(self.executor, n)
         found = self.index.find_within(tokens, AUTHOR)
         if found is None:
             return SharedSegment(
@@ -188,7 +188,3 @@ class RecoveryInputs:
         ][-self.agents :]
         bs = self.block_size
         return sum(blocks_for(n, bs) for n in lengths) * self.block_bytes
-
-    def _blank(self, n: int) -> torch.Tensor:
-        c = self.config
-        return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)

@@ -45,6 +45,8 @@ from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recov
 
 MASTER_CHOICES = ("sibling", "common")
 EXACT = RecoveryConfig("full", 1.0)
+# Block granularity of a round's master (the store's unit; independent of an engine's pages).
+MASTER_BLOCK = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +255,7 @@ def _runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, tuple[int, ...]]]
 def _plain_region(executor: Executor, sibling: SiblingInput) -> RegionInput:
     """The sibling's region with nothing reused (computed in full)."""
     t = len(sibling.token_ids)
-    blank = _blank(executor, t)
+    blank = blank_kv(executor, t)
     return RegionInput(
         sibling.token_ids,
         torch.arange(sibling.start, sibling.end),
@@ -292,7 +294,7 @@ def _placed_region(
     Units for whole-block selection: a placed token's unit is (mirror index << 32 | its mirror
     block), every other token a unit of its own (never chosen: not reusable)."""
     t = len(sibling.token_ids)
-    k, v = _blank(executor, t), _blank(executor, t)
+    k, v = blank_kv(executor, t), blank_kv(executor, t)
     reusable = torch.zeros(t, dtype=torch.bool)
     segment = torch.full((t,), len(sibling.spans), dtype=torch.int64)
     block = -1 - torch.arange(t, dtype=torch.int64)
@@ -327,6 +329,7 @@ def _placed_region(
     return region, tuple(mirrors), restored
 
 
-def _blank(executor: Executor, n: int) -> torch.Tensor:
+def blank_kv(executor: Executor, n: int) -> torch.Tensor:
+    """Zero KV [layers, n, kv_heads, head_dim] in the executor's dtype (rows to be filled)."""
     c = executor.config
     return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=executor.dtype)

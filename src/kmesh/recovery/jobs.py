@@ -33,6 +33,12 @@ class RecoveryJob:
     spec: RecoverySpec
     family: str | None
 
+    def round_spans(self) -> list[Span]:
+        """The round's segments in this prompt, in the round's canonical order."""
+        assert self.spec.round is not None
+        by_id = {span.segment_id: span for span in self.spans}
+        return [by_id[segment_id] for segment_id in self.spec.round.segments]
+
 
 class PrefixReader(Protocol):
     """An engine's pages: the exact KV of a request's rows."""

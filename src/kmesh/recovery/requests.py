@@ -35,32 +35,22 @@ reader, a dropped master rebuilt by the round's next sibling, a dropped common c
 from the family's leading shared segments.
 """
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from kmesh.compute.executor import DenseKV, Executor, SequenceInput
+from kmesh.compute.executor import DenseKV, Executor
 from kmesh.kv.master_mirror import Master
-from kmesh.kv.segment_kv import SegmentKV
-from kmesh.recovery.collective import (
-    CommonContext,
-    SharedSegment,
-    SiblingInput,
-    master_in_common,
-    recover_round,
-)
+from kmesh.recovery.collective import MASTER_BLOCK, SiblingInput, blank_kv, recover_round
+from kmesh.recovery.common_master import CommonMasters
 from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RecoveryReport
 from kmesh.recovery.ledger import Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.recovery.segment_store import Placed, SegmentStore
-from kmesh.state.segments import Span, trunk_end
 
-# Block granularity of a round's master (the store's unit; independent of vLLM's pages).
-MASTER_BLOCK = 16
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
 
@@ -103,7 +93,7 @@ class RequestRecovery:
         self.ledger = Ledger(max_bytes)
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
-        self._commons: dict[tuple[str | None, str], CommonContext] = {}
+        self._commons = CommonMasters(executor, self.segments, self.ledger, self._hold)
         self._masters: dict[_RoundKey, Master] = {}
 
     def run(
@@ -189,7 +179,7 @@ class RequestRecovery:
         if master is not None:
             self.ledger.touch(("master", key))
         elif round_.master == "common":
-            master, shared_cost = self._common_master(key, jobs[0])
+            master, shared_cost = self._commons.master(key.tenant, key.family, jobs[0])
             self._keep_master(key, master)
         siblings = [
             self._sibling(job, pages, master is None and i == 0) for i, job in enumerate(jobs)
@@ -220,7 +210,7 @@ class RequestRecovery:
         """The job as a round sibling: its claimed rows (a master sibling's to the end of the
         round's last segment, which may reach the prompt's last token: those tokens are computed
         twice), its exact prefix read back from vLLM's pages."""
-        spans = [(s.start, s.end) for s in _round_spans(job)]
+        spans = [(s.start, s.end) for s in job.round_spans()]
         end = max(job.end, *(hi for _, hi in spans)) if holds_master else job.end
         return SiblingInput(
             torch.tensor(job.token_ids[job.start : end]),
@@ -232,54 +222,6 @@ class RequestRecovery:
     def _keep_master(self, key: _RoundKey, master: Master) -> None:
         self._masters[key] = master
         self._hold(("master", key), master.nbytes)
-
-    def _common_master(self, key: _RoundKey, job: RecoveryJob) -> tuple[Master, float]:
-        """The "common" choice: the round's outputs recovered after the family's common context
-        (its leading shared segments, then every earlier round's master), from their stored KV."""
-        tenant, family = key.tenant, key.family
-        round_ = job.spec.round
-        assert round_ is not None
-        common, cost = self._common_of(tenant, family, job)
-        segments = []
-        for span in _round_spans(job):
-            tokens = job.token_ids[span.start : span.end]
-            stored = self.segments.get(tenant, tokens)
-            reusable = torch.full((len(tokens),), stored is not None)
-            if stored is None:  # computed in the common context
-                stored = SegmentKV(self._blank(len(tokens)), self._blank(len(tokens)))
-            segments.append(SharedSegment(torch.tensor(tokens), stored, reusable))
-        spec = job.spec
-        cfg = RecoveryConfig(
-            spec.policy,
-            round_.shared_ratio,
-            spec.check_layer,
-            spec.gate,
-            gate_sample=spec.gate_sample,
-        )
-        master, shared = master_in_common(self.executor, common, segments, cfg, MASTER_BLOCK)
-        common.extend(shared)
-        self._hold(("common", tenant, family), common.nbytes)
-        return master, cost + shared.computed_tokens
-
-    def _common_of(
-        self, tenant: str | None, family: str, job: RecoveryJob
-    ) -> tuple[CommonContext, float]:
-        """The family's common context; its leading shared segments are computed on first use."""
-        common = self._commons.get((tenant, family))
-        if common is not None:
-            self.ledger.touch(("common", tenant, family))
-            return common, 0.0
-        round_ids = set(job.spec.round.segments) if job.spec.round is not None else set()
-        trunk = trunk_end(itertools.takewhile(lambda s: s.segment_id not in round_ids, job.spans))
-        if trunk == 0:
-            common = CommonContext(self._blank(0), self._blank(0))
-        else:
-            out = self.executor.forward(
-                [SequenceInput(torch.tensor(job.token_ids[:trunk]), torch.arange(trunk))]
-            )[0]
-            common = CommonContext(torch.stack(out.k), torch.stack(out.v))
-        self._commons[(tenant, family)] = common
-        return common, float(trunk)
 
     # -- shared pieces ---------------------------------------------------------------------
 
@@ -294,8 +236,8 @@ class RequestRecovery:
         `reused` covers them, the exact prefix read back from vLLM's pages."""
         end = job.end if end is None else end
         t = end - job.start
-        k = self._blank(t)
-        v = self._blank(t)
+        k = blank_kv(self.executor, t)
+        v = blank_kv(self.executor, t)
         reusable = torch.zeros(t, dtype=torch.bool)
         segment = torch.zeros(t, dtype=torch.int64)
         for i, span in enumerate(job.spans):
@@ -352,18 +294,7 @@ class RequestRecovery:
                 if self.tails is not None:
                     self.tails.discard(dropped[1], dropped[2])
             else:  # ("common", tenant, family)
-                self._commons.pop((dropped[1], dropped[2]), None)
-
-    def _blank(self, n: int) -> torch.Tensor:
-        c = self.executor.config
-        return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=self.executor.dtype)
-
-
-def _round_spans(job: RecoveryJob) -> list[Span]:
-    """The round's output segments of `job`, in the round's canonical order."""
-    assert job.spec.round is not None
-    by_id = {span.segment_id: span for span in job.spans}
-    return [by_id[sid] for sid in job.spec.round.segments]
+                self._commons.discard(dropped[1], dropped[2])
 
 
 def _outcome(recovered: Recovered, region: RegionInput) -> Outcome:
