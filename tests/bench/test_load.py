@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kmesh.bench.load import LoadConfig, Outcome, report, slope_per_minute
+from kmesh.bench.load import ExchangeResult, LoadConfig, report, slope_per_minute
 from kmesh.bench.load_traffic import KINDS, next_exchange
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest
 
@@ -41,14 +41,14 @@ def test_a_slope_is_per_minute_and_zero_when_flat():
 
 def test_the_report_counts_failures_by_kind_and_reads_latency_from_served_requests():
     cfg = LoadConfig("reference", clients=2, seconds=120)
-    served = Outcome("plain", 200, None, 0.5, 1.0, "text")
+    served = ExchangeResult("plain", 200, None, 0.5, 1.0, "text")
     outcomes = [
         (next_exchange(random.Random(i), KEYS, i), outcome)
         for i, outcome in enumerate(
             [served] * 8
             + [
-                Outcome("plain", 503, "http_5xx", 0.1, 0.1),
-                Outcome("bad_body", 200, "unexpected_status", 0.2, 0.2, "x"),
+                ExchangeResult("plain", 503, "http_5xx", 0.1, 0.1),
+                ExchangeResult("bad_body", 200, "unexpected_status", 0.2, 0.2, "x"),
             ]
         )
     ]

@@ -67,7 +67,7 @@ class LoadConfig:
 
 
 @dataclass(slots=True)
-class Outcome:
+class ExchangeResult:
     kind: str
     status: int | None
     failure: str | None
@@ -76,7 +76,7 @@ class Outcome:
     text: str | None = None
 
 
-async def _exchange(client: httpx.AsyncClient, exchange: Exchange) -> Outcome:
+async def _exchange(client: httpx.AsyncClient, exchange: Exchange) -> ExchangeResult:
     """Send one exchange and judge it."""
     started = time.perf_counter()
     headers = {"Authorization": f"Bearer {exchange.key}", "Content-Type": "application/json"}
@@ -99,7 +99,7 @@ async def _exchange(client: httpx.AsyncClient, exchange: Exchange) -> Outcome:
         finally:
             await response.aclose()
     except httpx.HTTPError as error:
-        return Outcome(
+        return ExchangeResult(
             exchange.kind,
             None,
             f"transport: {type(error).__name__}",
@@ -111,7 +111,7 @@ async def _exchange(client: httpx.AsyncClient, exchange: Exchange) -> Outcome:
         failure = "http_5xx"
     elif status not in exchange.expect:
         failure = "unexpected_status"
-    return Outcome(exchange.kind, status, failure, first, total, text)
+    return ExchangeResult(exchange.kind, status, failure, first, total, text)
 
 
 async def _read_stream(
@@ -180,7 +180,7 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 async def _soak(cfg: LoadConfig, url: str, pid: int, store: str, log: Any) -> dict[str, Any]:
     deadline = time.monotonic() + cfg.seconds
-    outcomes: list[tuple[Exchange, Outcome]] = []
+    outcomes: list[tuple[Exchange, ExchangeResult]] = []
     samples: list[dict[str, Any]] = []
     serial = iter(range(10**9))
     keys = (KEY_A, KEY_B)
@@ -219,7 +219,7 @@ def _sample(started: float, pid: int, store: str) -> dict[str, Any]:
 
 
 async def _cold_check(
-    cfg: LoadConfig, url: str, outcomes: list[tuple[Exchange, Outcome]]
+    cfg: LoadConfig, url: str, outcomes: list[tuple[Exchange, ExchangeResult]]
 ) -> dict[str, Any]:
     """The exact exchanges' texts against a cold run of the same body (a fresh salt)."""
     served = [(e, o) for e, o in outcomes if e.exact and o.status == 200 and o.text is not None]
@@ -314,7 +314,7 @@ def report(
     abandoned: dict[str, Any] | None,
     server_log: str,
 ) -> dict[str, Any]:
-    outcomes: list[tuple[Exchange, Outcome]] = soak["outcomes"]
+    outcomes: list[tuple[Exchange, ExchangeResult]] = soak["outcomes"]
     failures = Counter(o.failure.split(":")[0] for _, o in outcomes if o.failure)
     firsts = [
         o.first_token_s for _, o in outcomes if o.first_token_s is not None and o.status == 200

@@ -10,7 +10,7 @@ from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, Outcome, RequestRecovery
+from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RecoveredRows, RequestRecovery
 
 
 class ModelRunner:
@@ -98,7 +98,7 @@ class ModelRunner:
             return
         by_id = {job.request_id: seq for seq, job in claims}
 
-        def write(job: RecoveryJob, outcome: Outcome) -> None:
+        def write(job: RecoveryJob, outcome: RecoveredRows) -> None:
             seq = by_id[job.request_id]
             seq.stats.recovery = asdict(outcome.report)
             if outcome.k is None or outcome.v is None:

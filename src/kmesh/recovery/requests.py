@@ -25,9 +25,9 @@ region [start, end) goes through kmesh.recovery:
   blocks, and its other tokens are computed. Siblings of a round in one step are recovered in one
   batch.
 
-The gate: a region whose mean check-layer key deviation exceeds `gate` is not written (Outcome k
-and v None); the engine computes those rows itself (vLLM: reported as load errors, recomputed by
-its ordinary prefill), the safe fallback.
+The gate: a region whose mean check-layer key deviation exceeds `gate` is not written
+(RecoveredRows k and v None); the engine computes those rows itself (vLLM: reported as load
+errors, recomputed by its ordinary prefill), the safe fallback.
 
 What a RequestRecovery keeps (stored segments, masters, common contexts) is bounded by
 `max_bytes`, least recently used dropped first: a dropped segment is computed again by its next
@@ -65,7 +65,9 @@ class _RoundKey:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class RecoveredRows:
+    """What recovering one job gave: its report and the rows to write."""
+
     report: RecoveryReport
     # Rows [start, end) to write, None when the gate left them to the engine's own prefill.
     k: torch.Tensor | None
@@ -73,7 +75,7 @@ class Outcome:
 
 
 # Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
-Writer = Callable[[RecoveryJob, Outcome], None]
+Writer = Callable[[RecoveryJob, RecoveredRows], None]
 
 
 class RequestRecovery:
@@ -98,13 +100,13 @@ class RequestRecovery:
 
     def run(
         self, jobs: Sequence[RecoveryJob], pages: PrefixReader, write: Writer
-    ) -> dict[str, Outcome]:
+    ) -> dict[str, RecoveredRows]:
         """Recover one step's jobs: per-request ones in order (each may store segments and
         tails the next reuses), each round's siblings together. Each outcome goes to `write`
         before a later job is recovered (a later job of the step may read its rows as prefix:
         an engine's prefix cache can hand it pages this step fills). A job whose prefix a kept
         tail continues starts after it (the tail's rows are written as they are)."""
-        outcomes: dict[str, Outcome] = {}
+        outcomes: dict[str, RecoveredRows] = {}
         rounds: dict[_RoundKey, list[RecoveryJob]] = {}
         for job in jobs:
             round_ = job.spec.round
@@ -135,16 +137,16 @@ class RequestRecovery:
         tails.add(job, rows)
         return replace(job, start=end)
 
-    def _finish(self, job: RecoveryJob, outcome: Outcome, tails: TailPages) -> Outcome:
+    def _finish(self, job: RecoveryJob, outcome: RecoveredRows, tails: TailPages) -> RecoveredRows:
         """The outcome over the job's whole claim (a used tail's rows first), its tails kept."""
         tail = tails.of(job)
         if tail is not None:
             report = replace(outcome.report, tail_tokens=tail[0].shape[1])
             if outcome.k is None or outcome.v is None:
-                return Outcome(report, None, None)
+                return RecoveredRows(report, None, None)
             k = torch.cat((tail[0], outcome.k), dim=1)
             v = torch.cat((tail[1], outcome.v), dim=1)
-            outcome = Outcome(report, k, v)
+            outcome = RecoveredRows(report, k, v)
         if self.tails is not None and outcome.k is not None and outcome.v is not None:
             for prefix, nbytes in self.tails.keep(job, outcome.k, outcome.v):
                 self._hold(("tail", job.tenant, prefix), nbytes)
@@ -152,7 +154,7 @@ class RequestRecovery:
 
     # -- per request -----------------------------------------------------------------------
 
-    def _per_request(self, job: RecoveryJob, pages: PrefixReader) -> Outcome:
+    def _per_request(self, job: RecoveryJob, pages: PrefixReader) -> RecoveredRows:
         end = self.segments.storing_end(job)
         region = self._region(job, pages, self.segments.placed(job), end)
         recovered = recover(self.executor, [region], self._config(job))[0]
@@ -162,13 +164,13 @@ class RequestRecovery:
         if outcome.k is None or outcome.v is None:
             return outcome
         rows = job.end - job.start  # the claimed rows; the rest was computed to be stored
-        return Outcome(outcome.report, outcome.k[:, :rows], outcome.v[:, :rows])
+        return RecoveredRows(outcome.report, outcome.k[:, :rows], outcome.v[:, :rows])
 
     # -- collective ------------------------------------------------------------------------
 
     def _round(
         self, key: _RoundKey, jobs: list[RecoveryJob], pages: PrefixReader
-    ) -> dict[str, Outcome]:
+    ) -> dict[str, RecoveredRows]:
         """A round's siblings of this step through kmesh.recovery.collective; without a kept
         master, the first is the master sibling ("sibling" choice) or the master is recovered in
         the family's common context first ("common")."""
@@ -203,7 +205,7 @@ class RequestRecovery:
             rows = job.end - job.start  # a master sibling may have computed more, to hold it
             k = None if out.recovered.fell_back else out.recovered.k[:, :rows]
             v = None if out.recovered.fell_back else out.recovered.v[:, :rows]
-            outcomes[job.request_id] = Outcome(report, k, v)
+            outcomes[job.request_id] = RecoveredRows(report, k, v)
         return outcomes
 
     def _sibling(self, job: RecoveryJob, pages: PrefixReader, holds_master: bool) -> SiblingInput:
@@ -297,7 +299,7 @@ class RequestRecovery:
                 self._commons.discard(dropped[1], dropped[2])
 
 
-def _outcome(recovered: Recovered, region: RegionInput) -> Outcome:
+def _outcome(recovered: Recovered, region: RegionInput) -> RecoveredRows:
     report = RecoveryReport(
         computed_tokens=recovered.computed_tokens,
         shared_computed_tokens=0.0,
@@ -308,5 +310,5 @@ def _outcome(recovered: Recovered, region: RegionInput) -> Outcome:
         fell_back=recovered.fell_back,
     )
     if recovered.fell_back:
-        return Outcome(report, None, None)
-    return Outcome(report, recovered.k, recovered.v)
+        return RecoveredRows(report, None, None)
+    return RecoveredRows(report, recovered.k, recovered.v)

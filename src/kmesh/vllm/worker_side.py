@@ -20,7 +20,7 @@ import torch
 
 from kmesh.kv.block_pool import blocks_for
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
-from kmesh.recovery.requests import Outcome, RequestRecovery
+from kmesh.recovery.requests import RecoveredRows, RequestRecovery
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.tensors import segment_tensor, write_tensors
@@ -130,7 +130,7 @@ class WorkerSide:
                 self._give_back(job)
             jobs = [job for job in jobs if job not in unloaded]
 
-            def write(job: RecoveryJob, outcome: Outcome) -> None:
+            def write(job: RecoveryJob, outcome: RecoveredRows) -> None:
                 self._recovered[job.request_id] = outcome.report
                 if outcome.k is None or outcome.v is None:
                     self._give_back(job)
