@@ -2,13 +2,12 @@
 both engines' recovery keeps it: per (tenant, family), the family's common context (its leading
 shared segments, computed on first use, then every earlier round's master segments), and each
 round's master recovered after it from the segments' stored KV (kmesh/recovery/segment_store.py)
-at the round's `shared_ratio`. The contexts are held in the recovery ledger ("common", tenant,
+at the round's `shared_ratio`. The contexts are held in the recovery ledger (HeldCommon: tenant,
 family); a dropped one restarts from the family's leading shared segments.
 """
 
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -23,7 +22,7 @@ from kmesh.recovery.collective import (
     master_in_common,
 )
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.ledger import Ledger
+from kmesh.recovery.ledger import Held, HeldCommon, Ledger
 from kmesh.recovery.recover import RecoveryConfig
 from kmesh.recovery.segment_store import SegmentStore
 from kmesh.state.segments import trunk_end
@@ -35,7 +34,7 @@ class CommonMasters:
         executor: Executor,
         segments: SegmentStore,
         ledger: Ledger,
-        hold: Callable[[tuple[Any, ...], int], None],
+        hold: Callable[[Held, int], None],
     ) -> None:
         """`hold(key, nbytes)` keeps a context within the ledger's bound (RequestRecovery's)."""
         self.executor = executor
@@ -69,7 +68,7 @@ class CommonMasters:
         )
         master, shared = master_in_common(self.executor, common, segments, cfg, MASTER_BLOCK)
         common.extend(shared)
-        self._hold(("common", tenant, family), common.nbytes)
+        self._hold(HeldCommon(tenant, family), common.nbytes)
         return master, cost + shared.computed_tokens
 
     def discard(self, tenant: str | None, family: str) -> None:
@@ -81,7 +80,7 @@ class CommonMasters:
         """The family's common context; its leading shared segments are computed on first use."""
         common = self._contexts.get((tenant, family))
         if common is not None:
-            self.ledger.touch(("common", tenant, family))
+            self.ledger.touch(HeldCommon(tenant, family))
             return common, 0.0
         round_ids = set(job.spec.round.segments) if job.spec.round is not None else set()
         trunk = trunk_end(itertools.takewhile(lambda s: s.segment_id not in round_ids, job.spans))

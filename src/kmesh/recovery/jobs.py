@@ -51,6 +51,15 @@ class PrefixReader(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class RoundKey:
+    """A round's siblings and master: one round of one family in one tenant's namespace."""
+
+    tenant: str | None
+    family: str
+    round_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class RecoveryReport:
     """What recovering one request cost and how far it was from exact."""
 

@@ -37,7 +37,6 @@ from the family's leading shared segments.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -45,23 +44,14 @@ from kmesh.compute.executor import DenseKV, Executor
 from kmesh.kv.master_mirror import Master
 from kmesh.recovery.collective import MASTER_BLOCK, SiblingInput, blank_kv, recover_round
 from kmesh.recovery.common_master import CommonMasters
-from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RecoveryReport
-from kmesh.recovery.ledger import Ledger
+from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RecoveryReport, RoundKey
+from kmesh.recovery.ledger import Held, HeldMaster, HeldSegment, HeldTail, Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.recovery.segment_store import Placed, SegmentStore
 
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class _RoundKey:
-    """A round's siblings and master: one round of one family in one tenant's namespace."""
-
-    tenant: str | None
-    family: str
-    round_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +86,7 @@ class RequestRecovery:
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons = CommonMasters(executor, self.segments, self.ledger, self._hold)
-        self._masters: dict[_RoundKey, Master] = {}
+        self._masters: dict[RoundKey, Master] = {}
 
     def run(
         self, jobs: Sequence[RecoveryJob], pages: PrefixReader, write: Writer
@@ -107,7 +97,7 @@ class RequestRecovery:
         an engine's prefix cache can hand it pages this step fills). A job whose prefix a kept
         tail continues starts after it (the tail's rows are written as they are)."""
         outcomes: dict[str, RecoveredRows] = {}
-        rounds: dict[_RoundKey, list[RecoveryJob]] = {}
+        rounds: dict[RoundKey, list[RecoveryJob]] = {}
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
@@ -117,7 +107,7 @@ class RequestRecovery:
                 outcomes[job.request_id] = self._finish(job, outcome, tails)
                 write(job, outcomes[job.request_id])
             else:
-                rounds.setdefault(_RoundKey(job.tenant, job.family, round_.id), []).append(job)
+                rounds.setdefault(RoundKey(job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
             tails = TailPages(pages)
             done = self._round(key, [self._continued(job, tails) for job in siblings], tails)
@@ -133,7 +123,7 @@ class RequestRecovery:
         if found is None:
             return job
         end, rows = found
-        self.ledger.touch(("tail", job.tenant, tuple(job.token_ids[:end])))
+        self.ledger.touch(HeldTail(job.tenant, tuple(job.token_ids[:end])))
         tails.add(job, rows)
         return replace(job, start=end)
 
@@ -149,7 +139,7 @@ class RequestRecovery:
             outcome = RecoveredRows(report, k, v)
         if self.tails is not None and outcome.k is not None and outcome.v is not None:
             for prefix, nbytes in self.tails.keep(job, outcome.k, outcome.v):
-                self._hold(("tail", job.tenant, prefix), nbytes)
+                self._hold(HeldTail(job.tenant, prefix), nbytes)
         return outcome
 
     # -- per request -----------------------------------------------------------------------
@@ -169,7 +159,7 @@ class RequestRecovery:
     # -- collective ------------------------------------------------------------------------
 
     def _round(
-        self, key: _RoundKey, jobs: list[RecoveryJob], pages: PrefixReader
+        self, key: RoundKey, jobs: list[RecoveryJob], pages: PrefixReader
     ) -> dict[str, RecoveredRows]:
         """A round's siblings of this step through kmesh.recovery.collective; without a kept
         master, the first is the master sibling ("sibling" choice) or the master is recovered in
@@ -179,7 +169,7 @@ class RequestRecovery:
         master = self._masters.get(key)
         shared_cost = 0.0
         if master is not None:
-            self.ledger.touch(("master", key))
+            self.ledger.touch(HeldMaster(key))
         elif round_.master == "common":
             master, shared_cost = self._commons.master(key.tenant, key.family, jobs[0])
             self._keep_master(key, master)
@@ -221,9 +211,9 @@ class RequestRecovery:
             spans,
         )
 
-    def _keep_master(self, key: _RoundKey, master: Master) -> None:
+    def _keep_master(self, key: RoundKey, master: Master) -> None:
         self._masters[key] = master
-        self._hold(("master", key), master.nbytes)
+        self._hold(HeldMaster(key), master.nbytes)
 
     # -- shared pieces ---------------------------------------------------------------------
 
@@ -285,18 +275,18 @@ class RequestRecovery:
             gate_sample=spec.gate_sample,
         )
 
-    def _hold(self, key: tuple[Any, ...], nbytes: int) -> None:
+    def _hold(self, key: Held, nbytes: int) -> None:
         """Keep `key`'s state within the ledger's bound, dropping the least recently used."""
         for dropped in self.ledger.hold(key, nbytes):
-            if dropped[0] == "segment":  # ("segment", tenant, tokens, context)
-                self.segments.discard(dropped[1], dropped[2], dropped[3])
-            elif dropped[0] == "master":  # ("master", _RoundKey)
-                self._masters.pop(dropped[1], None)
-            elif dropped[0] == "tail":  # ("tail", tenant, prefix tokens)
+            if isinstance(dropped, HeldSegment):
+                self.segments.discard(dropped.tenant, dropped.tokens, dropped.context)
+            elif isinstance(dropped, HeldMaster):
+                self._masters.pop(dropped.round, None)
+            elif isinstance(dropped, HeldTail):
                 if self.tails is not None:
-                    self.tails.discard(dropped[1], dropped[2])
-            else:  # ("common", tenant, family)
-                self._commons.discard(dropped[1], dropped[2])
+                    self.tails.discard(dropped.tenant, dropped.prefix)
+            else:
+                self._commons.discard(dropped.tenant, dropped.family)
 
 
 def _outcome(recovered: Recovered, region: RegionInput) -> RecoveredRows:

@@ -10,13 +10,12 @@ an output's KV as its author generated it, per tenant, at canonical positions.
 - `keep_output`: a finished request's generated rows, as its tenant's output segment.
 
 A hit compares tokens (index/segment_index.py); state never crosses tenants. Bytes are bounded by
-the owner's ledger: every stored entry is held as ("segment", tenant, tokens, context) and
+the owner's ledger: every stored entry is held as a HeldSegment (tenant, tokens, context) and
 dropped through `discard`.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,7 +23,7 @@ from kmesh.compute.config import ModelConfig
 from kmesh.index.segment_index import AUTHOR, FIRST_READER, TenantIndexes
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.ledger import Ledger
+from kmesh.recovery.ledger import Held, HeldSegment, Ledger
 from kmesh.state.segments import Role
 
 
@@ -47,7 +46,7 @@ class SegmentStore:
         fingerprint: str,
         config: ModelConfig,
         ledger: Ledger,
-        hold: Callable[[tuple[Any, ...], int], None],
+        hold: Callable[[Held, int], None],
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -75,7 +74,7 @@ class SegmentStore:
                     continue
                 offset, entry = found
                 stored, held, context = entry.value, list(entry.token_ids), AUTHOR
-            self.ledger.touch(("segment", job.tenant, tuple(held), context))
+            self.ledger.touch(HeldSegment(job.tenant, tuple(held), context))
             lo = span.start + offset
             k, v = stored.placed(torch.arange(lo, lo + len(held)), self.config)
             placed[i] = Placed(lo, k, v)
@@ -112,7 +111,7 @@ class SegmentStore:
             positions = torch.arange(span.start, span.end)
             stored = SegmentKV.canonical(k[:, rows], v[:, rows], positions, self.config)
             index.put(tokens, FIRST_READER, 0, stored)
-            key = ("segment", job.tenant, tuple(tokens), FIRST_READER)
+            key = HeldSegment(job.tenant, tuple(tokens), FIRST_READER)
             self._hold(key, stored.k.nbytes + stored.v.nbytes)
 
     def keep_output(
@@ -130,7 +129,7 @@ class SegmentStore:
         positions = torch.arange(start, start + len(token_ids))
         stored = SegmentKV.canonical(k, v, positions, self.config)
         self._index(tenant).put(token_ids, AUTHOR, 0, stored)
-        self._hold(("segment", tenant, tuple(token_ids), AUTHOR), stored.k.nbytes + stored.v.nbytes)
+        self._hold(HeldSegment(tenant, tuple(token_ids), AUTHOR), stored.k.nbytes + stored.v.nbytes)
 
     def discard(self, tenant: str | None, tokens: Sequence[int], context: str) -> None:
         self._index(tenant).discard(tokens, context)
