@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kmesh.cli.common import Commands, add_model_option, agent_counts, write_json
+from kmesh.cli.common import Commands, add_model_option, add_report_option, agent_counts, write_json
 from kmesh.errors import InvalidRequestError
 
 
@@ -218,7 +218,7 @@ def register(benches: Commands) -> None:
         help="also run each strategy's council on its own generated outputs and compare them "
         "with full prefill's (bench/closed_loop.py)",
     )
-    gather.add_argument("--json", required=True, help="where to write the report")
+    add_report_option(gather)
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
     add_model_option(gather)
     gather.add_argument(

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from kmesh.cli.common import Commands, add_model_option, write_json
+from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
 from kmesh.errors import InvalidRequestError
 
 
@@ -41,7 +41,7 @@ def register(benches: Commands) -> None:
         default="0.3",
         help="kmesh serve --reuse-ratio values to run, comma-separated (default 0.3)",
     )
-    council.add_argument("--json", required=True, help="where to write the report")
+    add_report_option(council)
     council.add_argument("--plot", default=None, help="where to draw computed tokens per round")
     add_model_option(council)
     council.add_argument(

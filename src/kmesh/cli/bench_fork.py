@@ -3,7 +3,7 @@ vs fork (bench/fork.py; bench/fork_vllm.py with --engine vllm)."""
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, write_json
+from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
 from kmesh.errors import InvalidRequestError
 
 
@@ -62,6 +62,6 @@ def register(benches: Commands) -> None:
         help="cot: trunk tokens generated before forking",
     )
     fork.add_argument("--seed", type=int, default=0)
-    fork.add_argument("--json", required=True, help="where to write the report")
+    add_report_option(fork)
     add_model_option(fork)
     fork.set_defaults(func=_bench_fork)

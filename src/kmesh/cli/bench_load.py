@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from kmesh.cli.common import Commands, write_json
+from kmesh.cli.common import Commands, add_report_option, write_json
 
 
 def _bench_load(args: argparse.Namespace) -> None:
@@ -40,6 +40,6 @@ def register(benches: Commands) -> None:
         help="then open this many families and rounds and never close them (RSS figure)",
     )
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--json", required=True, help="where to write the report")
+    add_report_option(load)
     load.add_argument("--plot", default=None, help="where to draw RSS and store bytes")
     load.set_defaults(func=_bench_load)

@@ -3,7 +3,7 @@
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, write_json
+from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
 from kmesh.errors import InvalidRequestError
 
 
@@ -35,6 +35,6 @@ def register(benches: Commands) -> None:
     restore.add_argument(
         "--concurrency", type=int, default=8, help="engine processes asking for one prompt"
     )
-    restore.add_argument("--json", required=True, help="where to write the report")
+    add_report_option(restore)
     add_model_option(restore)
     restore.set_defaults(func=_bench_restore)

@@ -3,7 +3,7 @@ vanilla vLLM (bench/vllm_family.py)."""
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, write_json
+from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
 
 
 def _bench_vllm_family(args: argparse.Namespace) -> None:
@@ -30,6 +30,6 @@ def register(benches: Commands) -> None:
     family.add_argument("--requests", type=int, default=8, help="family members, round-robin")
     family.add_argument("--trunk-tokens", type=int, default=2048, help="shared trunk length")
     family.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request")
-    family.add_argument("--json", required=True, help="where to write the report")
+    add_report_option(family)
     add_model_option(family)
     family.set_defaults(func=_bench_vllm_family)

@@ -18,6 +18,11 @@ def add_model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
 
 
+def add_report_option(parser: argparse.ArgumentParser) -> None:
+    """--json: where a bench writes its report (required)."""
+    parser.add_argument("--json", required=True, help="where to write the report")
+
+
 def add_store_option(parser: argparse.ArgumentParser) -> None:
     """--store: a store's socket, checked by `check_store`."""
     parser.add_argument(
