@@ -110,8 +110,9 @@ def start_store(
     capacity: str = "16M",
     lease: float | None = None,
     api_keys: Path | None = None,
+    retention: str | None = None,
 ) -> StoreProcess:
-    running = start_running_store(directory, capacity, lease, api_keys)
+    running = start_running_store(directory, capacity, lease, api_keys, retention)
     return StoreProcess(running.socket, running.process, running.log)
 
 
@@ -129,13 +130,16 @@ def store_factory(short_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
     count = 0
 
     def make(
-        capacity: str = "16M", lease: float | None = None, api_keys: Path | None = None
+        capacity: str = "16M",
+        lease: float | None = None,
+        api_keys: Path | None = None,
+        retention: str | None = None,
     ) -> StoreProcess:
         nonlocal count
         count += 1
         directory = short_dir / str(count)
         directory.mkdir()
-        store = start_store(directory, capacity, lease, api_keys)
+        store = start_store(directory, capacity, lease, api_keys, retention)
         started.append(store)
         return store
 

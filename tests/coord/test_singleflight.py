@@ -74,12 +74,17 @@ class _Tier:
         self.entries: dict[str, _Entry] = {}
         self.pins: list[str] = []
         self.unpins: list[tuple[str, int]] = []
+        self.dates: list[tuple[str, float | None]] = []
 
     def lookup(self, ident: str) -> _Entry | None:
         return self.entries.get(ident)
 
-    def pin(self, ident: str) -> None:
+    def pin(self, ident: str, next_use: float | None) -> None:
         self.pins.append(ident)
+        self.dates.append((ident, next_use))
+
+    def declare(self, ident: str, next_use: float) -> None:
+        self.dates.append((ident, next_use))
 
     def unpin(self, ident: str, serial: int) -> None:
         self.unpins.append((ident, serial))
@@ -92,8 +97,10 @@ def test_an_entry_is_pinned_once_per_family_and_its_close_unpins_it():
     assert not pins.pin(session, "f", "a")  # nothing published: nothing pinned
     tier.entries["a"] = _Entry(serial=7)
     assert pins.pin(session, "f", "a") and pins.pin(session, "f", "a")
-    assert pins.pin(session, "g", "a")
+    assert pins.pin(session, "g", "a", next_use=3)
+    assert pins.pin(session, "g", "a", next_use=5)  # pinned already: only dated anew
     assert tier.pins == ["a", "a"]  # once for f, once for g
+    assert tier.dates == [("a", None), ("a", 3), ("a", 5)]
     assert pins.close(session, "f") == 1 and tier.unpins == [("a", 7)]
     pins.close_all(session)
     assert tier.unpins == [("a", 7), ("a", 7)] and session.pins == {}

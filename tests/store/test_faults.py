@@ -145,8 +145,8 @@ def _publish(client, key: bytes, size: int = PAYLOAD_BYTES, family: str | None =
     client.publish(key, payload_for(key, size), family=family)
 
 
-def test_a_full_store_evicts_unpinned_lru_entries_and_refuses_what_cannot_fit(store_factory):
-    store = store_factory(capacity="256K")  # four 64 KiB entries
+def test_a_full_lru_store_evicts_unpinned_entries_and_refuses_what_cannot_fit(store_factory):
+    store = store_factory(capacity="256K", retention="lru")  # four 64 KiB entries
     pinned, unpinned, later = chain(2, seed=15), chain(2, seed=16), chain(2, seed=17)
     big, huge = chain(1, seed=18)[0], chain(1, seed=19)[0]
     with store.client() as owner, store.client() as other:
@@ -173,8 +173,31 @@ def test_a_full_store_evicts_unpinned_lru_entries_and_refuses_what_cannot_fit(st
         assert present == [False, True, False, False, True]
 
 
+def test_a_full_future_use_store_evicts_ended_then_undeclared_then_the_furthest_declared(
+    store_factory,
+):
+    store = store_factory(capacity="256K")  # four 64 KiB entries, retention future_use
+    soon, late, ended, plain = chain(4, seed=21)
+    extra = chain(3, seed=22)
+    with store.client() as owner, store.client() as other:
+        _publish(owner, ended, family="done")
+        _publish(owner, soon, family="round")
+        _publish(owner, late, family="round")
+        _publish(owner, plain)
+        assert owner.pin("round", [soon], next_use=1) == 1
+        assert owner.pin("round", [late], next_use=9) == 1
+        assert owner.close_family("done") == 1  # nobody declared it will come back
+        _publish(other, extra[0])  # the ended entry goes first, though the most recent of three
+        assert [_present(other, k) for k in (ended, plain, soon, late)] == [0, 1, 1, 1]
+        _publish(other, extra[1], family="next")  # then the undeclared, least recently used
+        assert [_present(other, k) for k in (extra[0], plain)] == [False, True]
+        _publish(other, extra[2], 2 * PAYLOAD_BYTES)  # pins are soft: the furthest use goes
+        assert [_present(other, k) for k in (plain, soon, late, extra[1])] == [0, 1, 0, 1]
+        assert other.stats()["evicted"] == 4
+
+
 def test_a_closed_connection_releases_its_families_pins(store_factory):
-    store = store_factory(capacity="128K")  # two 64 KiB entries
+    store = store_factory(capacity="128K", retention="lru")  # two 64 KiB entries
     first, second, third = chain(3, seed=20)
     with store.client() as owner:
         _publish(owner, first, family="f")

@@ -3,6 +3,7 @@
 import argparse
 
 from kmesh.cli.common import Commands
+from kmesh.coord.future_use import RETENTIONS
 
 
 def _store_serve(args: argparse.Namespace) -> None:
@@ -15,7 +16,7 @@ def _store_serve(args: argparse.Namespace) -> None:
     def ready() -> None:
         print(f"kmesh store: listening on {args.socket}, capacity {capacity} bytes", flush=True)
 
-    serve(args.socket, capacity, lease=args.lease, on_ready=ready, api_keys=api_keys)
+    serve(args.socket, capacity, args.lease, ready, api_keys, args.retention)
 
 
 def register(commands: Commands) -> None:
@@ -40,5 +41,13 @@ def register(commands: Commands) -> None:
         metavar="FILE",
         help='JSON {"API key": "tenant", ...}: engines give a key (KMESH_STORE_KEY) and see only '
         "their tenant's entries (default: no keys)",
+    )
+    store_serve.add_argument(
+        "--retention",
+        choices=RETENTIONS,
+        default="future_use",
+        help="what goes first when full: future_use (ended families, then undeclared entries "
+        "least recently used, then declared ones furthest next use first; pins are soft) or lru "
+        "(least recently used; pins are hard)",
     )
     store_serve.set_defaults(func=_store_serve)

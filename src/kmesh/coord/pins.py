@@ -1,4 +1,5 @@
-"""Family pins: entries kept from eviction while a session's family still needs them.
+"""Family pins: a session's family declares it will read entries again (retention by future use,
+future_use.py: the tier keeps them longest, soft, or never evicts them under lru).
 
 A pin belongs to a (session, family) and names one entry (its serial), not just its key: a key
 published again after an eviction is a new entry, pinned anew. `close` (the family ended) or
@@ -23,7 +24,9 @@ class PinTarget(Protocol[_Ident]):
 
     def lookup(self, ident: _Ident, /) -> Pinned | None: ...
 
-    def pin(self, ident: _Ident, /) -> object: ...
+    def pin(self, ident: _Ident, next_use: float | None, /) -> object: ...
+
+    def declare(self, ident: _Ident, next_use: float, /) -> None: ...
 
     def unpin(self, ident: _Ident, serial: int, /) -> None: ...
 
@@ -34,16 +37,24 @@ class FamilyPins(Generic[Key]):
     def __init__(self, target: PinTarget[Key]) -> None:
         self.target = target
 
-    def pin(self, session: Session[Key, Any], family: str, ident: Key) -> bool:
-        """Pin the published entry of `ident` for the session's `family`; False if there is
-        none."""
+    def pin(
+        self,
+        session: Session[Key, Any],
+        family: str,
+        ident: Key,
+        next_use: float | None = None,
+    ) -> bool:
+        """Pin the published entry of `ident` for the session's `family`, declaring its next
+        use (a family that pinned it already only dates it anew); False if there is none."""
         entry = self.target.lookup(ident)
         if entry is None:
             return False
         pins = session.pins.setdefault(family, {})
         if pins.get(ident) != entry.serial:
-            self.target.pin(ident)
+            self.target.pin(ident, next_use)
             pins[ident] = entry.serial
+        elif next_use is not None:
+            self.target.declare(ident, next_use)
         return True
 
     def close(self, session: Session[Key, Any], family: str) -> int:

@@ -193,6 +193,7 @@ class StoreClient:
         payload: "Buffer",
         meta: Mapping[str, Any] | None = None,
         family: str | None = None,
+        next_use: float | None = None,
     ) -> None:
         """Publish a led key's payload (any C-contiguous buffer, e.g. a numpy array); see
         publish_into."""
@@ -201,7 +202,7 @@ class StoreClient:
         def copy(target: memoryview) -> None:
             target[:] = source
 
-        self.publish_into(key, source.nbytes, copy, meta, family)
+        self.publish_into(key, source.nbytes, copy, meta, family, next_use)
 
     def publish_into(
         self,
@@ -210,13 +211,14 @@ class StoreClient:
         write: Callable[[memoryview], None],
         meta: Mapping[str, Any] | None = None,
         family: str | None = None,
+        next_use: float | None = None,
     ) -> None:
         """Publish a led key: the store reserves `size` bytes of shared memory, `write` fills
         them in place (keep no view of it), then the entry is committed with its checksum and
         only then becomes visible. `meta` is a small map returned with every read (dtype,
-        shape...). With `family`, the entry is pinned for it. StoreRefused if the store cannot
-        fit it even after eviction (or the claim is gone); if `write` raises, the key is
-        abandoned."""
+        shape...). With `family`, the entry is pinned for it (`next_use`: see `pin`).
+        StoreRefused if the store cannot fit it even after eviction (or the claim is gone); if
+        `write` raises, the key is abandoned."""
         if family is not None:
             _check_name("family", family)
         meta_bytes = encode_meta(meta)
@@ -227,7 +229,7 @@ class StoreClient:
             with contextlib.suppress(StoreError):
                 self.abandon([key])
             raise
-        self.commit(key, crc, meta_bytes, family)
+        self.commit(key, crc, meta_bytes, family, next_use)
 
     def reserve(self, key: bytes, size: int) -> str:
         """Reserve `size` bytes of shared memory for a led key; returns the segment's name, to
@@ -244,14 +246,21 @@ class StoreClient:
         return answer.name
 
     def commit(
-        self, key: bytes, crc: int, meta_bytes: bytes = b"", family: str | None = None
+        self,
+        key: bytes,
+        crc: int,
+        meta_bytes: bytes = b"",
+        family: str | None = None,
+        next_use: float | None = None,
     ) -> None:
         """Make a reserved, written key visible; `crc` is what write_segment returned and
-        `meta_bytes` what encode_meta gave it. With `family`, the entry is pinned for it."""
+        `meta_bytes` what encode_meta gave it. With `family`, the entry is pinned for it (its
+        next use declared: see `pin`)."""
         key = _check_key(key)
         if family is not None:
             _check_name("family", family)
-        answer = self._call(Commit(key, crc, meta_bytes, family, tenant=self.tenant))
+        request = Commit(key, crc, meta_bytes, family, next_use, tenant=self.tenant)
+        answer = self._call(request)
         if isinstance(answer, Refused):
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Done):
@@ -261,11 +270,13 @@ class StoreClient:
         """Give up leading `keys` (waiters get promoted); returns how many were led."""
         return self._count(Abandon(_check_keys(keys), tenant=self.tenant))
 
-    def pin(self, family: str, keys: Sequence[bytes]) -> int:
-        """Protect the published entries of `keys` from eviction until `close_family(family)`
-        or this client closes; returns how many are pinned."""
+    def pin(self, family: str, keys: Sequence[bytes], next_use: float | None = None) -> int:
+        """Declare that `family` reads the published entries of `keys` again, at `next_use` (an
+        ordinal or a time, smaller is sooner; None: any time), until `close_family(family)` or
+        this client closes: the store evicts them last (kmesh/coord/future_use.py); returns how
+        many are pinned."""
         family = _check_name("family", family)
-        return self._count(Pin(family, _check_keys(keys), tenant=self.tenant))
+        return self._count(Pin(family, _check_keys(keys), next_use, tenant=self.tenant))
 
     def close_family(self, family: str) -> int:
         """Release the family's pins; returns how many entries it had pinned."""

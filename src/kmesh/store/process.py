@@ -37,6 +37,7 @@ def start_store(
     capacity: str = "16M",
     lease: float | None = None,
     api_keys: Path | None = None,
+    retention: str | None = None,
 ) -> StoreProcess:
     """A store on `directory`/store.sock (a Unix socket path must fit in 107 bytes), logging to
     `directory`/store.log; `api_keys`: its --api-keys file."""
@@ -48,6 +49,8 @@ def start_store(
         command += ["--lease", str(lease)]
     if api_keys is not None:
         command += ["--api-keys", str(api_keys)]
+    if retention is not None:
+        command += ["--retention", retention]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     store = StoreProcess(str(path), process, log)

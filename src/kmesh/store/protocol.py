@@ -66,6 +66,10 @@ ERROR_CODES: Final = {
 # Requests (client -> store).
 
 
+# When a family reads an entry next: an ordinal or a time, smaller is sooner (None: any time).
+NextUse = Annotated[float, msgspec.Meta(ge=0.0, le=1e18)] | None
+
+
 class Request(
     msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", kw_only=True
 ):
@@ -97,6 +101,7 @@ class Commit(Request, frozen=True, tag="commit"):
     checksum: Checksum
     meta: Meta = b""
     family: Name | None = None
+    next_use: NextUse = None
 
 
 class Abandon(Request, frozen=True, tag="abandon"):
@@ -106,10 +111,12 @@ class Abandon(Request, frozen=True, tag="abandon"):
 
 
 class Pin(Request, frozen=True, tag="pin"):
-    """Pin the published entries of `keys` for `family` until the family is closed."""
+    """Pin the published entries of `keys` for `family` until the family is closed, declaring
+    when the family reads them next (`next_use`, kmesh/coord/future_use.py; None: any time)."""
 
     family: Name
     keys: Keys
+    next_use: NextUse = None
 
 
 class CloseFamily(Request, frozen=True, tag="close_family"):

@@ -87,9 +87,10 @@ class StoreServer:
         capacity: int,
         lease: float = DEFAULT_LEASE_S,
         api_keys: ApiKeys | None = None,
+        retention: str = "future_use",
     ) -> None:
         self.path = Path(socket_path)
-        self.store = Store(SharedMemoryTier(capacity), lease, api_keys)
+        self.store = Store(SharedMemoryTier(capacity, retention), lease, api_keys)
         self._listener = _listen(self.path)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -274,12 +275,13 @@ def serve(
     lease: float = DEFAULT_LEASE_S,
     on_ready: Callable[[], None] | None = None,
     api_keys: ApiKeys | None = None,
+    retention: str = "future_use",
 ) -> None:
     """Run a store on `socket_path` until SIGTERM or SIGINT; `on_ready` is called once it
     accepts connections. `api_keys`: connections must say hello with one (module docstring)."""
     if not lease > 0:  # NaN too
         raise InvalidRequestError(f"--lease must be a positive number of seconds, got {lease}")
-    server = StoreServer(socket_path, capacity, lease, api_keys)
+    server = StoreServer(socket_path, capacity, lease, api_keys, retention)
     shm = Path("/dev/shm")
     if shm.is_dir():
         stat = os.statvfs(shm)

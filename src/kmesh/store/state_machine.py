@@ -96,8 +96,8 @@ class Store:
                 mine = [ident for ident in named if self.flight.leader(ident) is session]
                 out += self._answers(self.flight.release(mine, now))
                 out.append((session, Done(count=len(mine))))
-            case Pin(family=family, keys=keys, tenant=tenant):
-                count = sum(self.pins.pin(session, family, (k, tenant)) for k in keys)
+            case Pin(family=family, keys=keys, tenant=tenant, next_use=next_use):
+                count = sum(self.pins.pin(session, family, (k, tenant), next_use) for k in keys)
                 out.append((session, Done(count=count)))
             case CloseFamily(family=family):
                 out.append((session, Done(count=self.pins.close(session, family))))
@@ -175,7 +175,7 @@ class Store:
         self.tier.commit(ident, name, request.checksum, request.meta)
         self._counts["published"] += 1
         if request.family is not None:
-            self.pins.pin(session, request.family, ident)
+            self.pins.pin(session, request.family, ident, request.next_use)
         out += self._answers(self.flight.publish(ident, now))
         return Done(count=1)
 

@@ -4,15 +4,15 @@ An entry is the published state of one (key, tenant): a shared memory segment ho
 payload, its CRC-32 and a small opaque metadata blob. The store (server.py) decides who may write
 what and when; a tier only keeps bytes and accounts for them: `reserve` makes room for a payload
 that a leader is about to write, `commit` turns the reservation into a visible entry, `lookup`
-finds entries and marks them recently used, `pin`/`unpin` protect entries from eviction, `drop`
-forgets one.
+finds entries and marks them recently used, `pin`/`unpin` declare (and take back) a family's future
+use of an entry, `drop` forgets one.
 
 SharedMemoryTier holds one POSIX shared memory segment per entry, named at random (a name says
-nothing about its key). Capacity counts committed and reserved payload bytes. Unpinned entries sit
-in an OrderedDict in least-recently-used order; pinned ones move to a separate map and come back
-as most recent when their last pin goes, so eviction only ever walks evictable entries. A reserve
-evicts from the old end until the payload fits, and is refused without evicting anything when it
-could not fit even then (too large for the store, or the rest pinned or reserved). Segments are
+nothing about its key). Capacity counts committed and reserved payload bytes. Which entry goes
+first is kmesh/coord/future_use.py's order (`retention`: future_use, pins soft; or lru, pins
+hard). A reserve evicts in that order until the payload fits, and is refused without evicting
+anything when it could not fit even then (too large for the store, or the rest reserved, or
+pinned under lru). Segments are
 created zero-filled with their pages allocated (posix_fallocate), so a writer can never be killed
 by SIGBUS on a full /dev/shm; the store process keeps no mapping or descriptor open per entry.
 A segment that a client still maps when it is unlinked stays readable by that client until it
@@ -25,12 +25,12 @@ segment, so clients keep seeing only local segment handles and never change.
 
 import os
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Protocol
 
+from kmesh.coord.future_use import EvictionOrder
 from kmesh.errors import KMeshError
 
 EntryId = tuple[bytes, str | None]
@@ -84,8 +84,11 @@ class Tier(Protocol):
     def drop(self, ident: EntryId, name: str | None = None) -> bool:
         """Forget the entry of `ident` (only if its segment is `name`, when given)."""
 
-    def pin(self, ident: EntryId) -> StoredEntry | None:
-        """Add a pin to the entry of `ident` (None: no such entry)."""
+    def pin(self, ident: EntryId, next_use: float | None = None) -> StoredEntry | None:
+        """Add a pin to the entry of `ident`, declaring its next use (None: no such entry)."""
+
+    def declare(self, ident: EntryId, next_use: float) -> None:
+        """A new date for a pinned entry's next use (nothing if it has no pin)."""
 
     def unpin(self, ident: EntryId, serial: int) -> None:
         """Take back a pin from entry `serial` of `ident` (nothing if that entry is gone)."""
@@ -123,29 +126,31 @@ def _unlink_segment(name: str) -> None:
 
 
 class SharedMemoryTier:
-    """Entries in POSIX shared memory, at most `capacity` payload bytes, evicted LRU-first."""
+    """Entries in POSIX shared memory, at most `capacity` payload bytes, evicted in the order of
+    `retention` (kmesh/coord/future_use.py)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, retention: str = "future_use") -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._prefix = f"kmesh-{secrets.token_hex(4)}-"
-        self._lru: OrderedDict[EntryId, StoredEntry] = OrderedDict()
-        self._pinned: dict[EntryId, tuple[StoredEntry, int]] = {}
+        self._entries: dict[EntryId, StoredEntry] = {}
+        self._order = EvictionOrder[EntryId](retention)
         self._reserved: dict[str, int] = {}
         self._used = 0
-        self._evictable = 0  # bytes in _lru
         self._serial = 0
         self._evicted = 0
         self._dropped = 0
 
+    @property
+    def retention(self) -> str:
+        return self._order.retention
+
     def lookup(self, ident: EntryId) -> StoredEntry | None:
-        entry = self._lru.get(ident)
+        entry = self._entries.get(ident)
         if entry is not None:
-            self._lru.move_to_end(ident)
-            return entry
-        pinned = self._pinned.get(ident)
-        return None if pinned is None else pinned[0]
+            self._order.touch(ident)
+        return entry
 
     def reserve(self, size: int) -> str:
         if size < 1:
@@ -156,16 +161,17 @@ class SharedMemoryTier:
                 f"a payload of {size} bytes exceeds the store's capacity of {self.capacity} bytes",
             )
         excess = self._used + size - self.capacity
-        if excess > self._evictable:
+        if excess > self._order.evictable:
             raise CapacityError(
                 "full",
                 f"no room for {size} bytes: {self._used} of {self.capacity} bytes are in use and "
-                f"only {self._evictable} can be evicted (the rest is pinned or being published)",
+                f"only {self._order.evictable} can be evicted (the rest is pinned or being "
+                "published)",
             )
         while self._used + size > self.capacity:
-            _, entry = self._lru.popitem(last=False)
-            self._evictable -= entry.size
-            self._free(entry)
+            victim = self._order.victim()
+            assert victim is not None  # evictable bytes cover the excess
+            self._remove(victim)
             self._evicted += 1
         name = self._prefix + secrets.token_hex(12)
         try:
@@ -188,8 +194,8 @@ class SharedMemoryTier:
         self._remove(ident)
         self._serial += 1
         entry = StoredEntry(self._serial, name, size, checksum, meta)
-        self._lru[ident] = entry
-        self._evictable += size
+        self._entries[ident] = entry
+        self._order.add(ident, size)
         self._used += size
         return entry
 
@@ -198,59 +204,49 @@ class SharedMemoryTier:
         self._dropped += dropped
         return dropped
 
-    def pin(self, ident: EntryId) -> StoredEntry | None:
-        entry = self._lru.pop(ident, None)
+    def pin(self, ident: EntryId, next_use: float | None = None) -> StoredEntry | None:
+        entry = self._entries.get(ident)
         if entry is not None:
-            self._evictable -= entry.size
-            self._pinned[ident] = (entry, 1)
-            return entry
-        pinned = self._pinned.get(ident)
-        if pinned is None:
-            return None
-        self._pinned[ident] = (pinned[0], pinned[1] + 1)
-        return pinned[0]
+            self._order.pin(ident, next_use)
+        return entry
+
+    def declare(self, ident: EntryId, next_use: float) -> None:
+        if ident in self._entries:
+            self._order.declare(ident, next_use)
 
     def unpin(self, ident: EntryId, serial: int) -> None:
-        pinned = self._pinned.get(ident)
-        if pinned is None or pinned[0].serial != serial:
-            return
-        entry, pins = pinned
-        if pins > 1:
-            self._pinned[ident] = (entry, pins - 1)
-            return
-        del self._pinned[ident]
-        self._lru[ident] = entry
-        self._evictable += entry.size
+        entry = self._entries.get(ident)
+        if entry is not None and entry.serial == serial:
+            self._order.unpin(ident)
 
     def stats(self) -> TierStats:
         return TierStats(
             capacity=self.capacity,
             used=self._used,
-            entries=len(self._lru) + len(self._pinned),
-            pinned=len(self._pinned),
+            entries=len(self._entries),
+            pinned=self._order.pinned,
             reserved=len(self._reserved),
             evicted=self._evicted,
             dropped=self._dropped,
         )
 
     def close(self) -> None:
-        names = [entry.name for entry in self._lru.values()]
-        names += [entry.name for entry, _ in self._pinned.values()]
+        names = [entry.name for entry in self._entries.values()]
         names += list(self._reserved)
-        self._lru.clear()
-        self._pinned.clear()
+        for ident in list(self._entries):
+            self._order.remove(ident)
+        self._entries.clear()
         self._reserved.clear()
-        self._used = self._evictable = 0
+        self._used = 0
         for name in names:
             _unlink_segment(name)
 
     def _remove(self, ident: EntryId, name: str | None = None) -> bool:
-        entry = self.lookup(ident)
+        entry = self._entries.get(ident)
         if entry is None or (name is not None and entry.name != name):
             return False
-        if self._pinned.pop(ident, None) is None:
-            del self._lru[ident]
-            self._evictable -= entry.size
+        del self._entries[ident]
+        self._order.remove(ident)
         self._free(entry)
         return True
 
