@@ -16,6 +16,7 @@ BlockHash = NewType("BlockHash", bytes)
 
 _BLOCK_KEY_VERSION = b"kmesh-block-key-v1"
 _SEGMENT_KEY_VERSION = b"kmesh-segment-key-v1"
+_PIECE_KEY_VERSION = b"kmesh-piece-key-v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,5 +103,18 @@ def segment_key(namespace: KeyNamespace, token_ids: Sequence[int], context: str)
     digest.update(encode_part("adapter", _optional_text(namespace.adapter)))
     digest.update(encode_part("tenant", _optional_text(namespace.tenant_salt)))
     digest.update(encode_part("context", context.encode()))
+    digest.update(encode_part("tokens", encode_tokens(token_ids)))
+    return digest.digest()
+
+
+def piece_key(namespace: KeyNamespace, parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Key of a piece of held state (kmesh/store/group_state.py): namespace, the key of the piece
+    before it (None for the first) and its tokens; like block_key, it stands for the whole
+    transcript up to the piece's end, but a piece has any length and its own key space."""
+    digest = hashlib.sha256(_PIECE_KEY_VERSION)
+    digest.update(encode_part("model", namespace.model.encode()))
+    digest.update(encode_part("adapter", _optional_text(namespace.adapter)))
+    digest.update(encode_part("tenant", _optional_text(namespace.tenant_salt)))
+    digest.update(encode_part("parent", parent))
     digest.update(encode_part("tokens", encode_tokens(token_ids)))
     return digest.digest()

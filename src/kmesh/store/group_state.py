@@ -1,0 +1,270 @@
+"""Group state in the store: a round's master once, every member's transcript as pieces of it.
+
+What a round's member must keep between rounds is its transcript: its prompt minus the
+instruction, the start of its next prompt. The store holds it as a chain of pieces, each the
+rows [start, end) of that transcript, keyed like exact blocks through their parent
+(state/keys.py::piece_key), so a piece stands for the whole transcript up to its end:
+- a dense piece holds its rows: the family trunk (the same tokens and parent for every member,
+  so one entry serves all), a member's private rows;
+- a mirrored piece holds the rows a round's master holds as mirrors (kv/master_mirror.py: the
+  member's order and start, a block table, the block-sparse diff of the blocks its recovery
+  recomputed) and the master's key; rows no mirror covers are dense in it.
+Masters are entries of their own, one per round, read by every member's mirrored pieces.
+
+`restore` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate, scatter the
+diff) for each mirror, and the dense rows placed; it checks the rows against the SHA-256 the
+piece was published with, so what comes back is bit-identical to what was stored or refused
+(`PieceMismatch`). Entries also carry the store's CRC-32 (a corrupted byte is dropped on read).
+
+An entry's payload is self-describing: a little-endian u32 header length, a MessagePack header
+(the scalars, and each tensor's name, dtype and shape), then the tensors' bytes one after
+another. Entries name other entries only by key: any engine attached to the store restores them.
+"""
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from kmesh.compute.config import ModelConfig
+from kmesh.kv.master_mirror import Master, Mirror, kv_digest, restore
+from kmesh.store.client import StoreClient
+from kmesh.store.errors import StoreError
+from kmesh.store.tensors import segment_tensor, write_tensors
+
+_HEADER = struct.Struct("<I")
+# (size in bytes, the tensors in order, the header bytes before them)
+Payload = tuple[int, list[torch.Tensor], bytes]
+_FORMAT = 1
+
+
+class PieceMismatch(StoreError):
+    """A restored piece's rows are not the rows it was published with (a master replaced, a
+    layout changed): the caller recomputes them."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
+class Piece:
+    """Rows [start, end) of one member's transcript."""
+
+    start: int
+    end: int
+    master: bytes | None  # key of the master entry the mirrors read (None: dense only)
+    mirrors: tuple[Mirror, ...]
+    dense_positions: torch.Tensor  # [n] int64 positions in [start, end) no mirror covers
+    dense_k: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    dense_v: torch.Tensor
+    digest: str  # SHA-256 of the whole rows k then v (kv_digest)
+
+    @classmethod
+    def of(
+        cls,
+        start: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mirrors: Sequence[Mirror] = (),
+        master: bytes | None = None,
+    ) -> "Piece":
+        """The piece of rows k, v [L, n, H, D] at positions start..start+n: what `mirrors`
+        cover (their restore must give these rows) is kept as the mirrors, the rest dense."""
+        if mirrors and master is None:
+            raise ValueError("a piece with mirrors needs its master's key")
+        n = k.shape[1]
+        covered = torch.zeros(n, dtype=torch.bool)
+        for mirror in mirrors:
+            rows = mirror.positions - start
+            if rows.numel() and (rows.min() < 0 or rows.max() >= n):
+                raise ValueError(f"a mirror reaches outside the rows [{start}, {start + n})")
+            covered[rows] = True
+        dense = (~covered).nonzero().flatten()
+        return cls(
+            start,
+            start + n,
+            master if mirrors else None,
+            tuple(mirrors),
+            dense + start,
+            k.index_select(1, dense).contiguous(),
+            v.index_select(1, dense).contiguous(),
+            kv_digest(k, v),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """What the piece holds beyond its master: its mirrors and dense rows."""
+        dense = (self.dense_positions, self.dense_k, self.dense_v)
+        return sum(m.nbytes for m in self.mirrors) + sum(_bytes(t) for t in dense)
+
+
+def restore_piece(
+    piece: Piece, master: Master | None, config: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The piece's rows (k, v), each [L, end - start, H, D], checked against its digest."""
+    if piece.mirrors and master is None:
+        raise PieceMismatch("the piece's mirrors need their master")
+    n = piece.end - piece.start
+    shape = (piece.dense_k.shape[0], n, *piece.dense_k.shape[2:])
+    k = piece.dense_k.new_empty(shape)
+    v = piece.dense_v.new_empty(shape)
+    rows = piece.dense_positions - piece.start
+    k[:, rows] = piece.dense_k
+    v[:, rows] = piece.dense_v
+    for mirror in piece.mirrors:
+        assert master is not None
+        try:
+            mk, mv = restore(master, mirror, config)
+        except (ValueError, IndexError, RuntimeError) as error:
+            raise PieceMismatch(f"a mirror does not fit its master: {error}") from None
+        rows = mirror.positions - piece.start
+        k[:, rows] = mk
+        v[:, rows] = mv
+    if kv_digest(k, v) != piece.digest:
+        raise PieceMismatch("the restored rows are not the rows the piece was published with")
+    return k, v
+
+
+# -- payloads --------------------------------------------------------------------------------
+
+
+def master_payload(master: Master) -> Payload:
+    head = {
+        "segment_lengths": master.segment_lengths,
+        "segment_first_block": master.segment_first_block,
+        "segment_starts": master.segment_starts,
+        "block_size": master.block_size,
+    }
+    return _payload("master", head, {"blocks": master.blocks})
+
+
+def piece_payload(piece: Piece) -> Payload:
+    tensors = {
+        "dense_positions": piece.dense_positions,
+        "dense_k": piece.dense_k,
+        "dense_v": piece.dense_v,
+    }
+    mirrors = []
+    for i, mirror in enumerate(piece.mirrors):
+        mirrors.append(
+            {"order": mirror.order, "start": mirror.start, "dropped": mirror.dropped_error}
+        )
+        for name in _MIRROR_TENSORS:
+            tensors[f"m{i}.{name}"] = getattr(mirror, name)
+    head = {
+        "start": piece.start,
+        "end": piece.end,
+        "master": piece.master,
+        "digest": piece.digest,
+        "mirrors": mirrors,
+    }
+    return _payload("piece", head, tensors)
+
+
+def read_master(data: memoryview, config: ModelConfig) -> Master:
+    head, tensors = _unpack("master", data)
+    return Master(
+        tensors["blocks"],
+        tuple(head["segment_lengths"]),
+        tuple(head["segment_first_block"]),
+        tuple(head["segment_starts"]),
+        head["block_size"],
+        config,
+    )
+
+
+def read_piece(data: memoryview) -> Piece:
+    head, tensors = _unpack("piece", data)
+    mirrors = tuple(
+        Mirror(
+            order=tuple(m["order"]),
+            start=m["start"],
+            dropped_error=m["dropped"],
+            **{name: tensors[f"m{i}.{name}"] for name in _MIRROR_TENSORS},
+        )
+        for i, m in enumerate(head["mirrors"])
+    )
+    return Piece(
+        head["start"],
+        head["end"],
+        head["master"],
+        mirrors,
+        tensors["dense_positions"],
+        tensors["dense_k"],
+        tensors["dense_v"],
+        head["digest"],
+    )
+
+
+def publish(
+    client: StoreClient,
+    key: bytes,
+    payload: Payload,
+    family: str | None = None,
+    next_use: float | None = None,
+) -> None:
+    """Publish a led key's payload (`master_payload`, `piece_payload`); see
+    StoreClient.publish_into."""
+    size, tensors, header = payload
+
+    def write(target: memoryview) -> None:
+        target[: len(header)] = header
+        write_tensors(target[len(header) :], tensors)
+
+    client.publish_into(key, size, write, None, family, next_use)
+
+
+_MIRROR_TENSORS = ("block_table", "token_slots", "positions", "diff_index", "diff_blocks")
+# What reading a payload that is not what its header says raises.
+_MALFORMED = (ValueError, KeyError, TypeError, AttributeError, struct.error, msgspec.DecodeError)
+
+
+def _payload(kind: str, head: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Payload:
+    """(size, tensors in order, header bytes) of a payload."""
+    described = [
+        [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()
+    ]
+    encoded = msgspec.msgpack.encode(
+        {"format": _FORMAT, "kind": kind, "head": head, "tensors": described}
+    )
+    header = _HEADER.pack(len(encoded)) + encoded
+    ordered = [t.detach().cpu().contiguous() for t in tensors.values()]
+    return len(header) + sum(_bytes(t) for t in ordered), ordered, header
+
+
+def _unpack(kind: str, data: memoryview) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A payload's head and its tensors (copied out of `data`). StoreError if it is not a
+    `kind` payload of this format."""
+    try:
+        (length,) = _HEADER.unpack_from(data)
+        body = msgspec.msgpack.decode(data[_HEADER.size : _HEADER.size + length])
+        if body["format"] != _FORMAT or body["kind"] != kind:
+            raise ValueError(f"a {body['kind']} payload of format {body['format']}")
+        return body["head"], _tensors(data, _HEADER.size + length, body["tensors"])
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        struct.error,
+        msgspec.DecodeError,
+    ) as e:
+        raise StoreError(f"not a {kind} entry of format {_FORMAT}: {e}") from None
+
+
+def _tensors(data: memoryview, offset: int, described: list[Any]) -> dict[str, torch.Tensor]:
+    """The described tensors, copied out of `data` from `offset` on (no view of it is kept)."""
+    flat = segment_tensor(data)
+    tensors = {}
+    for name, dtype, shape in described:
+        empty = torch.empty(shape, dtype=getattr(torch, dtype))
+        size = _bytes(empty)
+        if offset + size > flat.numel():
+            raise ValueError("the payload is shorter than its header says")
+        tensors[name] = flat[offset : offset + size].clone().view(empty.dtype).view(empty.shape)
+        offset += size
+    return tensors
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
