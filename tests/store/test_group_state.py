@@ -58,7 +58,7 @@ def _member_piece(master: Master, start: int, private: int) -> Piece:
 def test_a_piece_restores_its_rows_bit_identically_and_holds_only_its_diff_and_private_rows():
     master = _master([5, 16, 23])
     piece = _member_piece(master, start=100, private=6)
-    k, v = restore_piece(piece, master, CONFIG)
+    k, _ = restore_piece(piece, master, CONFIG)
     assert k.shape == (LAYERS, 6 + 44, HEADS, DIM)
     dense_bytes = 2 * k.numel() * 4
     assert piece.nbytes < dense_bytes / 2  # one diff block and six rows, not 50 rows
@@ -114,9 +114,8 @@ def test_masters_and_pieces_round_trip_through_the_store_and_a_corrupted_one_is_
         k, v = restore_piece(stored_piece, stored_master, CONFIG)
         assert torch.equal(torch.cat((k, v)), torch.cat(restore_piece(piece, master, CONFIG)))
         assert restore_piece(stored_dense, None, CONFIG)[0].shape[1] == 30
-        with pytest.raises(StoreError, match="not a master entry"):
-            with reader.read(p_hit) as entry:
-                read_master(entry.data, CONFIG)
+        with pytest.raises(StoreError, match="not a master entry"), reader.read(p_hit) as entry:
+            read_master(entry.data, CONFIG)
         corrupt_segment(p_hit.name, offset=p_hit.size - 5)
         with pytest.raises(EntryLost, match="checksum"):
             reader.read(p_hit)
