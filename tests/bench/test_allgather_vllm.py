@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kmesh.bench.allgather_config import STRATEGIES
-from kmesh.workloads.allgather import load_trace, save_trace
+from kmesh.workloads.trace import load_trace, save_trace
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 

@@ -5,13 +5,8 @@ import pytest
 from kmesh.engine.engine import Engine
 from kmesh.errors import InvalidRequestError
 from kmesh.state.segments import Role
-from kmesh.workloads.allgather import (
-    AllGatherConfig,
-    generate_trace,
-    load_trace,
-    order_for,
-    save_trace,
-)
+from kmesh.workloads.allgather import AllGatherConfig, generate_trace, order_for
+from kmesh.workloads.trace import load_trace, save_trace
 
 
 def test_orders_are_permutations_fixed_by_the_seed():
@@ -41,7 +36,7 @@ def test_bad_configs_are_refused(options):
 def test_a_file_that_is_not_a_trace_is_refused(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"hello": 1}\n')
-    with pytest.raises(InvalidRequestError, match="not an All-Gather trace"):
+    with pytest.raises(InvalidRequestError, match="not a trace"):
         load_trace(path)
     with pytest.raises(InvalidRequestError, match="does not exist"):
         load_trace(tmp_path / "missing.jsonl")

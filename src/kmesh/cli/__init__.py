@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from kmesh.cli import (
     adapters,
     bench_allgather,
+    bench_capacity,
     bench_council,
     bench_fork,
     bench_load,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_lora,
         bench_council,
         bench_load,
+        bench_capacity,
     ):
         command.register(benches)
     adapters.register(commands)

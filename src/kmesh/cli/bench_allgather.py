@@ -20,7 +20,8 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     from kmesh.bench.common import report_console
     from kmesh.compute.loader import load_model
     from kmesh.engine.engine import Engine
-    from kmesh.workloads.allgather import AllGatherConfig, generate_trace, load_trace
+    from kmesh.workloads.allgather import AllGatherConfig, generate_trace
+    from kmesh.workloads.trace import load_trace
 
     options = (
         "policy",
@@ -47,6 +48,8 @@ def _bench_allgather(args: argparse.Namespace) -> None:
                 f"{', '.join(fixed)} cannot be combined with --trace: the trace fixes the workload"
             )
         workload, trace_model, turns = load_trace(Path(args.trace))
+        if not isinstance(workload, AllGatherConfig):
+            raise InvalidRequestError(f"trace {args.trace!r} is not an All-Gather trace")
     else:
         workload = AllGatherConfig(
             args.agents or 8, args.rounds or 3, args.order or "shuffle", args.seed

@@ -11,7 +11,8 @@ def _workload_allgather(args: argparse.Namespace) -> None:
 
     from kmesh.compute.loader import load_model
     from kmesh.engine.engine import Engine
-    from kmesh.workloads.allgather import AllGatherConfig, generate_trace, save_trace
+    from kmesh.workloads.allgather import AllGatherConfig, generate_trace
+    from kmesh.workloads.trace import save_trace
 
     cfg = AllGatherConfig(args.agents, args.rounds, args.order, args.seed, args.output_tokens)
     console = Console(stderr=True)

@@ -14,11 +14,9 @@ Outputs are generated with the reference engine on the real model, greedy by def
 is deterministic in (model, config) and benchmarks replay exactly the same prompts.
 """
 
-import json
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from kmesh.engine.engine import Engine
@@ -216,65 +214,3 @@ def generate_trace(
         )
         turns += council.answer(prompts, [out.output_ids for out in outputs])
     return turns
-
-
-def save_trace(path: Path, cfg: AllGatherConfig, model: str, turns: list[AgentTurn]) -> None:
-    """One JSON line for the config and the model fingerprint, then one per agent turn."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as out:
-        out.write(json.dumps({"kind": "allgather", "config": asdict(cfg), "model": model}) + "\n")
-        for turn in turns:
-            segments = [
-                {
-                    "token_ids": list(s.token_ids),
-                    "role": s.role.value,
-                    "id": s.segment_id,
-                    "text": s.text,
-                    "message_role": s.message_role,
-                }
-                for s in turn.prompt.segments
-            ]
-            line = {
-                "round": turn.round,
-                "agent": turn.agent,
-                "segments": segments,
-                "output_ids": list(turn.output_ids),
-                "output_text": turn.output_text,
-            }
-            out.write(json.dumps(line) + "\n")
-
-
-def load_trace(path: Path) -> tuple[AllGatherConfig, str, list[AgentTurn]]:
-    """Read a trace written by save_trace: (config, model fingerprint, turns)."""
-    if not path.is_file():
-        raise InvalidRequestError(f"trace {str(path)!r} does not exist")
-    lines = path.read_text().splitlines()
-    try:
-        head = json.loads(lines[0])
-        if head.get("kind") != "allgather":
-            raise ValueError("the first line is not an All-Gather header")
-        cfg = AllGatherConfig(**head["config"])
-        turns = []
-        for line in lines[1:]:
-            item = json.loads(line)
-            segments = [
-                Segment(
-                    tuple(s["token_ids"]), Role(s["role"]), s["id"], s["text"], s["message_role"]
-                )
-                for s in item["segments"]
-            ]
-            turns.append(
-                AgentTurn(
-                    item["round"],
-                    item["agent"],
-                    SegmentedPrompt.of(segments),
-                    tuple(item["output_ids"]),
-                    item["output_text"],
-                )
-            )
-    except (ValueError, KeyError, IndexError, TypeError) as error:
-        raise InvalidRequestError(
-            f"trace {str(path)!r} is not an All-Gather trace written by `kmesh workload "
-            f"allgather`: {error}"
-        ) from None
-    return cfg, head["model"], turns

@@ -1,0 +1,328 @@
+"""`kmesh bench capacity`: how many agents one memory budget serves, strategies side by side.
+
+Every strategy gets the same budget B for what it keeps between rounds plus what it computes in:
+- vanilla: vLLM with prefix caching, its KV cache = B (bench/capacity_vllm.py, its own process);
+- vanilla_offload: vLLM with half of B as KV cache and its own CPU offloading of the other half
+  (SimpleCPUOffloadConnector), if it runs on this build (otherwise its error is reported);
+- kmesh_dense / kmesh / kmesh_lru: KMesh's store holding every member's transcript between
+  rounds (bench/capacity_kmesh.py: restored each round, lost pieces computed again), with
+  collective recovery of each round: dense pieces / Master-Mirror pieces with retention by
+  declared future use / Master-Mirror pieces with LRU. The store gets B minus the working set of
+  one request (the largest prompt's KV): the least an engine needs to compute in.
+Workloads: the All-Gather council (workloads/allgather.py), or agent trajectories
+(workloads/trajectory.py: a turn is a round; no masters, so kmesh_dense is kmesh there).
+The vanilla run is closed loop (vLLM answers, greedy) and its rounds are the trace every other
+strategy replays, so all compute the same prompts.
+
+Per agent count and round: computed tokens (vLLM: prompt tokens minus its prefix-cache hit;
+KMesh: token-layers / layers of recovery, restore misses included) and the round's new tokens
+(those of segments no earlier round held, counted once: workloads/allgather.py::new_tokens; a
+trajectory turn's: its append); prefill seconds (vLLM: its prefill call; KMesh: the reference
+executor's restore + recovery, not comparable across engines: vLLM's CPU kernels are faster);
+bytes held per agent after the last round (KMesh: the store's bytes / agents; vanilla: its
+transcript's dense KV, at most B / agents); bytes restored. `max_agents.<name>`: the largest
+agent count whose every round computes within `limit` (All-Gather 2x, trajectory 1.5x) of the
+round's new tokens; `capacity_agents.<name>`: the largest whose every round stays within 2x of
+what the same strategy computes with unlimited memory (vanilla: an ideal prefix cache; KMesh: no
+piece lost), the memory effect alone.
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kmesh.errors import InvalidRequestError
+from kmesh.workloads.allgather import new_tokens
+
+STRATEGIES = ("vanilla", "vanilla_offload", "kmesh_dense", "kmesh", "kmesh_lru")
+WORKLOADS = ("allgather", "trajectory")
+# Trajectories hold no masters: every piece is dense, so kmesh_dense would be kmesh.
+TRAJECTORY_STRATEGIES = ("vanilla", "vanilla_offload", "kmesh", "kmesh_lru")
+VLLM_STRATEGIES = ("vanilla", "vanilla_offload")
+# KMesh strategy -> (piece layout, pieces declared for their next use, store retention)
+KMESH_STRATEGIES = {
+    "kmesh_dense": ("dense", True, "future_use"),
+    "kmesh": ("mirror", True, "future_use"),
+    "kmesh_lru": ("mirror", False, "lru"),
+}
+# max_agents: every round within this many times its new tokens (a trajectory's: its append).
+LIMITS = {"allgather": 2.0, "trajectory": 1.5}
+VLLM_PAGE = 32  # vLLM's page in tokens (kmesh/vllm/config.py::DEFAULT_BLOCK_SIZE)
+VLLM_TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityConfig:
+    agents: tuple[int, ...] = (4, 8, 16, 32)
+    rounds: int = 3
+    budget_mib: int = 512
+    order: str = "shuffle"
+    seed: int = 0
+    output_tokens: int = 48
+    agent_ratio: float = 0.0
+    workload: str = "allgather"
+    tool_tokens: int = 256  # trajectory: a tool result's tokens
+    strategies: tuple[str, ...] = ()  # () for every strategy of the workload
+
+    def __post_init__(self) -> None:
+        if not self.agents or min(self.agents) < 2:
+            raise InvalidRequestError("--agents needs agent counts of at least 2, like 4,8,16")
+        if self.rounds < 2:
+            raise InvalidRequestError("--rounds must be at least 2 (state held between rounds)")
+        if self.budget_mib < 1:
+            raise InvalidRequestError("--budget-mib must be at least 1")
+        if self.workload not in WORKLOADS:
+            raise InvalidRequestError(f"--workload must be one of {', '.join(WORKLOADS)}")
+        allowed = TRAJECTORY_STRATEGIES if self.workload == "trajectory" else STRATEGIES
+        unknown = set(self.strategies) - set(allowed)
+        if unknown or (self.strategies and "vanilla" not in self.strategies):
+            raise InvalidRequestError(
+                f"--strategies must include vanilla (its rounds are the trace) and name only "
+                f"{', '.join(allowed)} for the {self.workload} workload; got "
+                f"{', '.join(self.strategies)}"
+            )
+
+    @property
+    def chosen(self) -> tuple[str, ...]:
+        if self.strategies:
+            return self.strategies
+        return TRAJECTORY_STRATEGIES if self.workload == "trajectory" else STRATEGIES
+
+    @property
+    def limit(self) -> float:
+        return LIMITS[self.workload]
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_mib << 20
+
+
+def run_capacity_bench(
+    cfg: CapacityConfig, model: str | None, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """The whole run (module docstring); its report as a JSON-ready dict."""
+    from kmesh.bench.common import hardware
+    from kmesh.compute.loader import load_model
+
+    loaded = load_model(model)
+    per_token = _token_bytes(loaded.executor)
+    strategies: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="kmc-") as folder:
+        directory = Path(folder)
+        for name in (s for s in VLLM_STRATEGIES if s in cfg.chosen):
+            log(f"capacity: {name} (vLLM) at {list(cfg.agents)} agents")
+            strategies[name] = _vllm(cfg, name, model, loaded.fingerprint, directory)
+        if "error" in strategies["vanilla"]:
+            raise InvalidRequestError(
+                f"vanilla vLLM did not run, so there is no trace: {strategies['vanilla']['error']}"
+            )
+        traces = {n: _trace(directory / f"trace-{n}.jsonl") for n in cfg.agents}
+        for name in (s for s in KMESH_STRATEGIES if s in cfg.chosen):
+            strategies[name] = {"runs": []}
+            for agents in cfg.agents:
+                log(f"capacity: {name} at {agents} agents")
+                run = _kmesh(cfg, name, loaded, traces[agents], per_token, directory)
+                strategies[name]["runs"].append(run)
+    for strategy in strategies.values():
+        for run in strategy.get("runs", []):
+            rounds = traces[run["agents"]]
+            run["new_tokens_per_round"] = new_tokens(rounds)
+            run["dense_bytes_per_agent"] = _dense_transcript_bytes(rounds, per_token)
+    for run in strategies["vanilla"]["runs"]:
+        run["bytes_per_agent"] = min(run["dense_bytes_per_agent"], cfg.budget_bytes / run["agents"])
+    return {
+        "config": asdict(cfg),
+        "hardware": hardware(),
+        "budget_bytes": cfg.budget_bytes,
+        "limit": cfg.limit,
+        "strategies": strategies,
+        "max_agents": {
+            n: _max_agents(s, "new_tokens_per_round", cfg.limit) for n, s in strategies.items()
+        },
+        "capacity_agents": {
+            n: _max_agents(s, "unconstrained_tokens_per_round", 2.0) for n, s in strategies.items()
+        },
+    }
+
+
+def _vllm(
+    cfg: CapacityConfig, name: str, model: str | None, fingerprint: str, directory: Path
+) -> dict[str, Any]:
+    """One vLLM strategy in its own process; its runs, or its error."""
+    spec = {
+        "model": model,
+        "strategy": name,
+        "budget_bytes": cfg.budget_bytes,
+        "max_model_len": _max_model_len(cfg),
+        "agents": list(cfg.agents),
+        "rounds": cfg.rounds,
+        "order": cfg.order,
+        "seed": cfg.seed,
+        "output_tokens": cfg.output_tokens,
+        "workload": cfg.workload,
+        "tool_tokens": cfg.tool_tokens,
+        "fingerprint": fingerprint,
+        "traces": str(directory) if name == "vanilla" else None,
+        "result": str(directory / f"{name}.json"),
+    }
+    path = directory / f"{name}-spec.json"
+    path.write_text(json.dumps(spec))
+    log_path = directory / f"{name}.log"
+    with log_path.open("w") as out:
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "kmesh.bench.capacity_vllm", str(path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=VLLM_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"did not finish in {VLLM_TIMEOUT_S} s"}
+    result_path = directory / f"{name}.json"
+    if not result_path.is_file():
+        return {"error": "the process ended without a result: " + log_path.read_text()[-2000:]}
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    if "error" in result:
+        return {"error": result["error"]}
+    runs = []
+    for run in result["runs"]:
+        rounds = run["rounds"]
+        runs.append(
+            {
+                "agents": run["agents"],
+                "computed_tokens_per_round": [r["computed"] for r in rounds],
+                "prefill_seconds_per_round": [r["seconds"] for r in rounds],
+                "unconstrained_tokens_per_round": _ideal_prefix_cache(
+                    _trace(directory / f"trace-{run['agents']}.jsonl")
+                ),
+                "bytes_restored": 0,
+            }
+        )
+    return {"runs": runs}
+
+
+def _kmesh(
+    cfg: CapacityConfig,
+    name: str,
+    loaded: Any,
+    turns: list[list[Any]],
+    per_token: int,
+    directory: Path,
+) -> dict[str, Any]:
+    from kmesh.bench.capacity_kmesh import GroupStateRun
+    from kmesh.store.process import start_store
+
+    layout, declare, retention = KMESH_STRATEGIES[name]
+    working = per_token * max(len(t.prompt.token_ids) for ts in turns for t in ts)
+    capacity = cfg.budget_bytes - working
+    if capacity < 1:
+        raise InvalidRequestError(
+            f"--budget-mib {cfg.budget_mib} is below one request's KV ({working >> 20} MiB at "
+            f"{len(turns[0])} agents): raise it"
+        )
+    folder = directory / f"{name}-{len(turns[0])}"
+    folder.mkdir()
+    store = start_store(folder, str(capacity), retention=retention)
+    try:
+        stats = GroupStateRun(
+            loaded.executor,
+            loaded.fingerprint,
+            turns,
+            store.socket,
+            layout,
+            declare,
+            cfg.agent_ratio,
+            collective=cfg.workload == "allgather",
+        ).run()
+    finally:
+        store.stop()
+    last = stats[-1]
+    return {
+        "agents": len(turns[0]),
+        "computed_tokens_per_round": [s.round_computed + s.recomputed for s in stats],
+        "prefill_seconds_per_round": [s.seconds for s in stats],
+        "unconstrained_tokens_per_round": [s.round_computed for s in stats],
+        "recomputed_tokens_per_round": [s.recomputed for s in stats],
+        "pieces_lost": sum(s.pieces_lost for s in stats),
+        "restores_checked": sum(s.restores_checked for s in stats),
+        "store_bytes": capacity,
+        "bytes_per_agent": last.held_bytes / len(turns[0]),
+        "transcript_bytes_per_agent": last.transcript_bytes,
+        "own_bytes_per_agent": last.mirror_bytes,
+        "bytes_restored": sum(s.bytes_restored for s in stats),
+    }
+
+
+def _trace(path: Path) -> list[list[Any]]:
+    from kmesh.workloads.allgather import group_rounds
+    from kmesh.workloads.trace import load_trace
+
+    return group_rounds(load_trace(path)[2])
+
+
+def _max_model_len(cfg: CapacityConfig) -> int:
+    """Room for the longest prompt and its answer, in whole pages, up to the model's 8192:
+    a system prompt and persona (< 160 tokens), every earlier round's outputs with their
+    headers (< output_tokens + 16 each), the instruction and the answer."""
+    tokens = 160 + (cfg.rounds - 1) * max(cfg.agents) * (cfg.output_tokens + 16)
+    tokens += 64 + cfg.output_tokens
+    return min(8192, -(-tokens // VLLM_PAGE) * VLLM_PAGE)
+
+
+def _token_bytes(executor: Any) -> int:
+    """KV bytes of one token (all layers, K and V) in the executor's dtype."""
+    import torch
+
+    model = executor.config
+    element = torch.empty((), dtype=executor.dtype).element_size()
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+
+
+def _dense_transcript_bytes(rounds: Sequence[Sequence[Any]], per_token: int) -> float:
+    """Mean KV bytes of the members' transcripts after the last round (the last prompt minus
+    its instruction), dense."""
+    last = rounds[-1]
+    held = [len(t.prompt.token_ids) - len(t.prompt.segments[-1].token_ids) for t in last]
+    return per_token * sum(held) / len(held)
+
+
+def _ideal_prefix_cache(rounds: Sequence[Sequence[Any]]) -> list[int]:
+    """Per round, what a prefix cache of unlimited size computes: each prompt minus its longest
+    prefix of whole pages that an earlier prompt (of any agent or round) had, at least the last
+    token."""
+    seen: set[tuple[int, ...]] = set()
+    computed = []
+    for turns in rounds:
+        total = 0
+        for turn in turns:
+            tokens = turn.prompt.token_ids
+            hit = 0
+            while hit + VLLM_PAGE < len(tokens) and tokens[: hit + VLLM_PAGE] in seen:
+                hit += VLLM_PAGE
+            total += len(tokens) - hit
+        for turn in turns:
+            tokens = turn.prompt.token_ids
+            seen.update(tokens[:end] for end in range(VLLM_PAGE, len(tokens) + 1, VLLM_PAGE))
+        computed.append(total)
+    return computed
+
+
+def _max_agents(strategy: dict[str, Any], bound: str, limit: float) -> int | None:
+    """The largest agent count up to which every run's rounds compute within `limit` x
+    `bound`."""
+    best = None
+    for run in strategy.get("runs", []):
+        within = all(
+            c <= limit * b
+            for c, b in zip(run["computed_tokens_per_round"], run[bound], strict=True)
+        )
+        if not within:
+            break
+        best = run["agents"]
+    return best

@@ -1,0 +1,340 @@
+"""KMesh's strategies of `kmesh bench capacity`: All-Gather rounds whose members' transcripts live
+in a store of a fixed size between rounds, restored from it each round.
+
+One run replays one trace (workloads/allgather.py) with the reference executor, in rounds:
+1. restore: each member's transcript (its previous prompt minus the instruction) is read back from
+   the store as its chain of pieces (store/group_state.py): the family trunk, the member's
+   private rows, then one piece per earlier round. From the first piece the store lost on, the
+   rest is computed (exact prefill after what was restored) and published again as dense pieces.
+2. the round: recovery/collective.py, the master from the first member (computed exactly), the
+   others mirrored from it (their corrections by `agent_ratio`), the instruction computed.
+3. publish: each member's new piece (the round's outputs in its prompt), declared for its next
+   use, and the round's master once.
+
+Layouts (`layout`): "mirror" publishes a member's piece as its mirrors of the round's master
+(the master stored once for all), "dense" as its rows. Retention: the store's `future_use`
+(every piece pinned for the council with its next use: the member's place in the next round;
+masters and the trunk at the next round's start) or `lru` (nothing declared). Members go through
+each step `chunk` at a time, so that memory holds a few transcripts, not all. Trajectories
+(`collective` False: workloads/trajectory.py, a turn is a round) only append: each turn's prompt
+after the transcript is computed, and pieces are dense.
+
+Accounting: computed tokens are token-layers / layers, split into what the round itself needs
+(`round_computed`) and what lost pieces cost (`recomputed`); seconds are wall time of restore,
+recovery and recompute; `bytes_restored` is what restores read (pieces and masters); `held_bytes`
+the store's bytes after the round; `transcript_bytes` a member's transcript in this layout with
+the trunk and masters counted once over all members (`mirror_bytes`: its own pieces only).
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kmesh.bench.allgather_inputs import RecoveryInputs, Transcript, region_segments
+from kmesh.compute.executor import DenseKV, Executor
+from kmesh.kv.master_mirror import Master
+from kmesh.recovery.collective import MASTER_BLOCK, blank_kv, recover_round
+from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
+from kmesh.state.keys import KeyNamespace, piece_key, segment_key
+from kmesh.store import StoreClient, StoreError, StoreRefused
+from kmesh.store.group_state import (
+    Payload,
+    Piece,
+    master_payload,
+    piece_payload,
+    publish,
+    read_master,
+    read_piece,
+    restore_piece,
+)
+from kmesh.workloads.allgather import AgentTurn
+
+COMPUTE_ALL = RecoveryConfig("full", 1.0)
+FAMILY = "council"
+LAYOUTS = ("mirror", "dense")
+
+
+@dataclass(slots=True)
+class RoundStats:
+    round_computed: float = 0.0
+    recomputed: float = 0.0
+    seconds: float = 0.0
+    bytes_restored: int = 0
+    pieces_lost: int = 0
+    restores_checked: int = 0  # pieces restored and found bit-identical (digest) to the published
+    held_bytes: int = 0
+    transcript_bytes: float = 0.0  # per member
+    mirror_bytes: float = 0.0  # per member
+
+
+@dataclass(slots=True)
+class _Member:
+    keys: list[bytes] = field(default_factory=list)  # its chain of pieces, the trunk first
+    tokens: list[tuple[int, ...]] = field(default_factory=list)  # each piece's tokens
+    own_bytes: list[int] = field(default_factory=list)  # each piece's bytes (0: the trunk)
+
+
+class GroupStateRun:
+    """One KMesh strategy over one trace's rounds: its `layout` and whether pieces are
+    `declare`d for their next use (the store's retention acts on it)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        fingerprint: str,
+        rounds: Sequence[Sequence[AgentTurn]],
+        store: str,
+        layout: str,
+        declare: bool,
+        agent_ratio: float = 0.0,
+        collective: bool = True,
+        chunk: int = 4,
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.executor = executor
+        self.rounds = rounds
+        self.agents = len(rounds[0])
+        self.layout = layout
+        self.declare = declare
+        self.collective = collective
+        self.chunk = chunk
+        self.cfg = RecoveryConfig("kv_deviation" if agent_ratio > 0 else "none", agent_ratio)
+        self.inputs = RecoveryInputs(executor, fingerprint, self.agents, MASTER_BLOCK)
+        self.namespace = KeyNamespace(fingerprint, tenant_salt="kmesh-approx")
+        self.store = store
+        self.members = [_Member() for _ in range(self.agents)]
+        self._shared_bytes = 0  # the trunk and every master, once
+        self._trunk: Transcript | None = None
+
+    def run(self) -> list[RoundStats]:
+        with StoreClient(self.store) as self.client:
+            return [self._round(r) for r in range(len(self.rounds))]
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def _round(self, r: int) -> RoundStats:
+        stats = RoundStats()
+        turns = self.rounds[r]
+        master: Master | None = None
+        for lo in range(0, self.agents, self.chunk):
+            chunk = turns[lo : lo + self.chunk]
+            started = time.perf_counter()
+            if r == 0:
+                pieces = [self._first_round(turn, stats) for turn in chunk]
+            elif self.collective:
+                transcripts = [self._restore(turn, stats) for turn in chunk]
+                pieces, master = self._collective(r, chunk, transcripts, master, stats)
+            else:
+                transcripts = [self._restore(turn, stats) for turn in chunk]
+                pieces = self._appended(chunk, transcripts, stats)
+            for turn, piece in zip(chunk, pieces, strict=True):
+                self._extend(turn, piece, r)
+            stats.seconds += time.perf_counter() - started
+        stats.held_bytes = self.client.stats()["used"]
+        stats.mirror_bytes = sum(sum(m.own_bytes) for m in self.members) / self.agents
+        stats.transcript_bytes = stats.mirror_bytes + self._shared_bytes / self.agents
+        return stats
+
+    def _first_round(self, turn: AgentTurn, stats: RoundStats) -> Piece:
+        """Round 0: the prompt after the trunk (private rows, the instruction) computed."""
+        trunk = self._trunk or self._publish_trunk(stats)
+        region = self.inputs.new_region(turn.prompt.segments[1:], trunk, len(trunk.token_ids))
+        out = recover(self.executor, [region], COMPUTE_ALL)[0]
+        stats.round_computed += out.computed_tokens
+        held = _held_end(turn) - len(trunk.token_ids)
+        return Piece.of(len(trunk.token_ids), out.k[:, :held], out.v[:, :held])
+
+    def _collective(
+        self,
+        r: int,
+        turns: Sequence[AgentTurn],
+        transcripts: Sequence[Transcript],
+        master: Master | None,
+        stats: RoundStats,
+    ) -> tuple[list[Piece], Master]:
+        """The round's members of this chunk through collective recovery; the master, built
+        by the round's first member, published once."""
+        key = self._master_key(r)
+        siblings = [self.inputs.sibling(r, t, x) for t, x in zip(turns, transcripts, strict=True)]
+        result = recover_round(self.executor, siblings, self.cfg, MASTER_BLOCK, master)
+        if result.built:
+            payload = master_payload(result.master)
+            self._shared_bytes += payload[0]
+            self._publish(key, payload, self._round_start(r + 1))
+        pieces = []
+        for turn, sibling, out in zip(turns, siblings, result.siblings, strict=True):
+            stats.round_computed += out.recovered.computed_tokens
+            held = _held_end(turn) - sibling.start
+            k, v = out.recovered.k[:, :held], out.recovered.v[:, :held]
+            mirrors = out.mirrors if self.layout == "mirror" else ()
+            pieces.append(Piece.of(sibling.start, k, v, mirrors, key))
+        return pieces, result.master
+
+    def _appended(
+        self, turns: Sequence[AgentTurn], transcripts: Sequence[Transcript], stats: RoundStats
+    ) -> list[Piece]:
+        """Turns that only append (trajectories): the prompts after the transcripts computed."""
+        regions = [
+            self.inputs.new_region(region_segments(t, x), x, len(x.token_ids))
+            for t, x in zip(turns, transcripts, strict=True)
+        ]
+        pieces = []
+        for turn, region, out in zip(
+            turns, regions, recover(self.executor, regions, COMPUTE_ALL), strict=True
+        ):
+            stats.round_computed += out.computed_tokens
+            start = int(region.positions[0])
+            held = _held_end(turn) - start
+            pieces.append(Piece.of(start, out.k[:, :held], out.v[:, :held]))
+        return pieces
+
+    def _extend(self, turn: AgentTurn, piece: Piece, r: int) -> None:
+        """Publish the member's new piece (its held rows of round r) at the end of its chain."""
+        member = self.members[turn.agent]
+        tokens = turn.prompt.token_ids[piece.start : piece.end]
+        if not member.keys:
+            trunk = self._trunk
+            assert trunk is not None
+            member.keys.append(piece_key(self.namespace, None, trunk.token_ids))
+            member.tokens.append(trunk.token_ids)
+            member.own_bytes.append(0)
+        member.keys.append(piece_key(self.namespace, member.keys[-1], tokens))
+        member.tokens.append(tokens)
+        payload = piece_payload(piece)
+        member.own_bytes.append(payload[0])
+        self._publish(member.keys[-1], payload, self._next_use(turn.agent, r))
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def _restore(self, turn: AgentTurn, stats: RoundStats) -> Transcript:
+        """The member's transcript from the store: its pieces up to the first one lost, the
+        rest computed after them and published again."""
+        member = self.members[turn.agent]
+        got = self.client.acquire(member.keys)
+        self.client.abandon(got.lead)
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        masters: dict[bytes, Master] = {}
+        for hit in got.hits:
+            try:
+                with self.client.read(hit) as entry:
+                    piece = read_piece(entry.data)
+                stats.bytes_restored += hit.size
+                master = None
+                if piece.master is not None:
+                    master = masters.get(piece.master) or self._read_master(piece.master, stats)
+                    masters[piece.master] = master
+                k, v = restore_piece(piece, master, self.executor.config)
+            except StoreError:
+                break
+            stats.restores_checked += 1
+            ks.append(k)
+            vs.append(v)
+        if len(ks) < len(member.keys):
+            stats.pieces_lost += len(member.keys) - len(ks)
+            self._recompute(member, ks, vs, stats)
+        if self.declare:
+            self.client.pin(FAMILY, member.keys, self._next_use(turn.agent, turn.round))
+        tokens = tuple(t for piece in member.tokens for t in piece)
+        return Transcript(tokens, torch.cat(ks, dim=1), torch.cat(vs, dim=1))
+
+    def _read_master(self, key: bytes, stats: RoundStats) -> Master:
+        got = self.client.acquire([key])
+        self.client.abandon(got.lead)
+        if not got.hits:
+            raise StoreError("the round's master is gone")
+        with self.client.read(got.hits[0]) as entry:
+            master = read_master(entry.data, self.executor.config)
+        stats.bytes_restored += got.hits[0].size
+        return master
+
+    def _recompute(
+        self, member: _Member, ks: list[torch.Tensor], vs: list[torch.Tensor], stats: RoundStats
+    ) -> None:
+        """The member's pieces from len(ks) on computed exactly after the restored ones
+        (appended to ks, vs) and published again, dense."""
+        first = len(ks)
+        start = sum(len(t) for t in member.tokens[:first])
+        prefix = None
+        if ks:
+            prefix = DenseKV(torch.arange(start), list(torch.cat(ks, 1)), list(torch.cat(vs, 1)))
+        tokens = torch.tensor([t for piece in member.tokens[first:] for t in piece])
+        out = recover(self.executor, [_computed(self.executor, tokens, start, prefix)], COMPUTE_ALL)
+        stats.recomputed += out[0].computed_tokens
+        offset = 0
+        for i in range(first, len(member.keys)):
+            n = len(member.tokens[i])
+            k, v = out[0].k[:, offset : offset + n], out[0].v[:, offset : offset + n]
+            payload = piece_payload(Piece.of(start + offset, k, v))
+            if i > 0:  # the trunk stays shared
+                member.own_bytes[i] = payload[0]
+            self._publish(member.keys[i], payload, None, replace=True)
+            ks.append(k)
+            vs.append(v)
+            offset += n
+
+    # -- publish -----------------------------------------------------------------------------
+
+    def _publish_trunk(self, stats: RoundStats) -> Transcript:
+        """The family trunk (the system prompt), computed once: one entry for every member."""
+        system = self.rounds[0][0].prompt.segments[0]
+        out = recover(self.executor, [self.inputs.new_region([system], None, 0)], COMPUTE_ALL)
+        stats.round_computed += out[0].computed_tokens
+        payload = piece_payload(Piece.of(0, out[0].k, out[0].v))
+        self._shared_bytes += payload[0]
+        self._publish(piece_key(self.namespace, None, system.token_ids), payload, 0.0)
+        self._trunk = Transcript(system.token_ids, out[0].k, out[0].v)
+        return self._trunk
+
+    def _publish(
+        self, key: bytes, payload: Payload, next_use: float | None, replace: bool = False
+    ) -> None:
+        """Publish `key` unless the store has it (`replace`: drop what it has first); declared
+        for `next_use` when this run declares. A store that cannot fit it refuses: the next
+        restore finds it lost."""
+        got = self.client.acquire([key])
+        if got.hits and replace:
+            self.client.drop(got.hits[0])
+            got = self.client.acquire([key])
+        family = FAMILY if self.declare else None
+        try:
+            if got.lead:
+                publish(self.client, key, payload, family, next_use)
+            elif family is not None:
+                self.client.pin(family, [key], next_use)
+        except StoreRefused:
+            pass
+
+    def _master_key(self, r: int) -> bytes:
+        """Round r's master: the tokens of round r - 1's outputs, in author order."""
+        prompt = self.rounds[r][0].prompt
+        by_author = {self.inputs.author(r, s): s.token_ids for s in prompt.segments}
+        tokens = [t for a in range(self.agents) for t in by_author[a]]
+        return segment_key(self.namespace, tokens, f"{FAMILY}-master-{r}")
+
+    def _next_use(self, agent: int, r: int) -> float:
+        """When member `agent` reads its transcript next: its place in round r + 1."""
+        return float(self._round_start(r + 1) + agent)
+
+    def _round_start(self, r: int) -> int:
+        return r * self.agents
+
+
+def _held_end(turn: AgentTurn) -> int:
+    """Where the member's transcript ends: its prompt minus the instruction."""
+    return len(turn.prompt.token_ids) - len(turn.prompt.segments[-1].token_ids)
+
+
+def _computed(
+    executor: Executor, tokens: torch.Tensor, start: int, prefix: DenseKV | None
+) -> RegionInput:
+    """Tokens at start.. to compute in full after `prefix`."""
+    n = len(tokens)
+    blank = blank_kv(executor, n)
+    nothing = torch.zeros(n, dtype=torch.bool)
+    return RegionInput(
+        tokens, torch.arange(start, start + n), prefix, blank, blank, nothing, nothing.long()
+    )

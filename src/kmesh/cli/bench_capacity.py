@@ -1,0 +1,84 @@
+"""`kmesh bench capacity`: agents served under one memory budget, vLLM and KMesh side by side."""
+
+import argparse
+from pathlib import Path
+
+from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
+
+
+def _bench_capacity(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.capacity import CapacityConfig, run_capacity_bench
+    from kmesh.bench.capacity_report import plot, print_report
+    from kmesh.bench.common import report_console
+
+    cfg = CapacityConfig(
+        args.agents,
+        args.rounds,
+        args.budget_mib,
+        args.order,
+        args.seed,
+        args.output_tokens,
+        args.agent_ratio,
+        args.workload,
+        args.tool_tokens,
+        args.strategies,
+    )
+    console = Console(stderr=True)
+    result = run_capacity_bench(cfg, args.model, console.log)
+    print_report(result, report_console())
+    write_json(args.json, result)
+    if args.plot:
+        plot(result, Path(args.plot))
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 4,8,16; got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n for n in text.split(",") if n)
+
+
+def register(benches: Commands) -> None:
+    capacity = benches.add_parser(
+        "capacity",
+        help="agents served under one memory budget: vanilla vLLM, its offloading, KMesh's store",
+    )
+    capacity.add_argument("--agents", type=_counts, default=(4, 8, 16, 32), help="like 4,8,16,32")
+    capacity.add_argument(
+        "--rounds", type=int, default=3, help="rounds (trajectory: turns) per agent count"
+    )
+    capacity.add_argument(
+        "--budget-mib",
+        type=int,
+        default=512,
+        help="memory every strategy gets: vLLM's KV cache, or KMesh's store plus one request",
+    )
+    capacity.add_argument("--workload", choices=["allgather", "trajectory"], default="allgather")
+    capacity.add_argument("--order", choices=["same", "rotate", "shuffle"], default="shuffle")
+    capacity.add_argument("--seed", type=int, default=0)
+    capacity.add_argument("--output-tokens", type=int, default=48, help="each answer's tokens")
+    capacity.add_argument(
+        "--tool-tokens", type=int, default=256, help="trajectory: each tool result's tokens"
+    )
+    capacity.add_argument(
+        "--agent-ratio",
+        type=float,
+        default=0.0,
+        help="share of each mirrored member's blocks recovery recomputes (its mirror's diff)",
+    )
+    capacity.add_argument(
+        "--strategies",
+        type=_names,
+        default=(),
+        help="a subset, vanilla included: vanilla,vanilla_offload,kmesh_dense,kmesh,kmesh_lru",
+    )
+    add_model_option(capacity)
+    add_report_option(capacity)
+    capacity.add_argument("--plot", default=None, help="where to draw computed tokens vs agents")
+    capacity.set_defaults(func=_bench_capacity)

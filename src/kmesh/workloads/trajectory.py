@@ -1,0 +1,117 @@
+"""Agent trajectories: long context, short appends (DualPath's shape of agentic serving).
+
+N agents each work on their own task for T turns. Turn t's prompt of agent a, as segments:
+    system (shared, the same for all agents)
+    the agent's task (private)
+    for each earlier turn i: the agent's step i (an assistant message: the exact tokens it
+    generated), then the tool's result i (a user message of about `tool_tokens` tokens of
+    seeded, synthetic tool output)
+    the generation prompt (instruction: the start of the next step)
+Each prompt minus its generation prompt is an exact prefix of the next one, so a turn appends one
+step and one tool result: a few hundred tokens onto a context that grows by that much per turn.
+Turns are AgentTurn objects (workloads/allgather.py): `round` is the turn.
+"""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kmesh.errors import InvalidRequestError
+from kmesh.state.segments import Role, Segment, SegmentedPrompt
+from kmesh.workloads.allgather import AgentTurn
+from kmesh.workloads.chatml import ChatML
+
+SYSTEM = (
+    "You are a coding agent. Each turn you read the tool's last result and give your next step: "
+    "one short action and why."
+)
+TASKS = (
+    "Find why the nightly build of the billing service fails and fix it.",
+    "Add retry with backoff to the payment client and test it.",
+    "Make the search index rebuild incremental.",
+    "Find the memory leak in the image resizer worker.",
+    "Upgrade the logging library and fix every deprecation warning.",
+    "Speed up the slowest report query by a factor of two.",
+)
+_FILES = ("api/routes.py", "core/models.py", "jobs/nightly.py", "lib/cache.py", "tests/test_io.py")
+_EVENTS = ("ok", "warning: deprecated call", "error: timeout after 30s", "skipped", "2 failures")
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryConfig:
+    agents: int
+    turns: int
+    seed: int = 0
+    output_tokens: int = 32
+    tool_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.agents < 1 or self.turns < 2 or self.output_tokens < 1 or self.tool_tokens < 16:
+            raise InvalidRequestError(
+                "a trajectory workload needs agents >= 1, turns >= 2, output tokens >= 1 and "
+                "tool tokens >= 16"
+            )
+
+
+class Trajectories:
+    """The agents' prompts turn by turn, each built from the steps given for the earlier ones
+    (like workloads/allgather.py::Council)."""
+
+    def __init__(self, cfg: TrajectoryConfig, tokenizer: Any) -> None:
+        self.cfg = cfg
+        self._chat = chat = ChatML(tokenizer)
+        self._system = Segment(
+            chat.message("system", SYSTEM), Role.SHARED, "system", SYSTEM, "system"
+        )
+        self._tasks = [
+            Segment(chat.message("user", t), Role.PRIVATE, f"task-{a}", t, "user")
+            for a, t in ((a, TASKS[a % len(TASKS)]) for a in range(cfg.agents))
+        ]
+        self._tokenizer = tokenizer
+        self._end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self._ask = chat.generation_prompt()
+        self._history: list[list[Segment]] = [[] for _ in range(cfg.agents)]
+
+    def prompts(self) -> list[SegmentedPrompt]:
+        """The next turn's prompt of every agent."""
+        t = len(self._history[0]) // 2
+        ask = Segment(self._ask, Role.INSTRUCTION, f"ask-{t}", "", "assistant")
+        return [
+            SegmentedPrompt.of([self._system, self._tasks[a], *self._history[a], ask])
+            for a in range(self.cfg.agents)
+        ]
+
+    def answer(
+        self, prompts: Sequence[SegmentedPrompt], outputs: Sequence[Sequence[int]]
+    ) -> list[AgentTurn]:
+        """Record the turn's steps (by agent) and the tool's results to them; the turns."""
+        t = len(self._history[0]) // 2
+        newline = self._chat.tokens("\n")
+        turns = []
+        for a, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            output_ids = tuple(output)
+            text = self._tokenizer.decode(list(output_ids), skip_special_tokens=True).strip()
+            turns.append(AgentTurn(t, a, prompt, output_ids, text))
+            ended = bool(output_ids) and output_ids[-1] == self._end_id
+            body = output_ids if ended else (*output_ids, self._end_id)
+            step = Segment(
+                self._ask + body + newline, Role.PRIVATE, f"step-{t}-{a}", text, "assistant"
+            )
+            result = self._tool_result(a, t)
+            tool = Segment(
+                self._chat.message("user", result), Role.PRIVATE, f"tool-{t}-{a}", result, "user"
+            )
+            self._history[a] += [step, tool]
+        return turns
+
+    def _tool_result(self, agent: int, turn: int) -> str:
+        """About `tool_tokens` tokens of tool output, fixed by (seed, agent, turn)."""
+        rng = random.Random(f"{self.cfg.seed}-{agent}-{turn}")
+        lines = ["Tool result:"]
+        while len(self._chat.tokens("\n".join(lines))) < self.cfg.tool_tokens:
+            lines.append(
+                f"{rng.choice(_FILES)}:{rng.randrange(1, 900)} {rng.choice(_EVENTS)} "
+                f"({rng.randrange(1, 99)} ms)"
+            )
+        return "\n".join(lines)
