@@ -3,7 +3,8 @@
 Every strategy gets the same budget B for what it keeps between rounds plus what it computes in:
 - vanilla: vLLM with prefix caching, its KV cache = B (bench/capacity_vllm.py, its own process);
 - vanilla_offload: vLLM with half of B as KV cache and its own CPU offloading of the other half
-  (SimpleCPUOffloadConnector), if it runs on this build (otherwise its error is reported);
+  (SimpleCPUOffloadConnector, else OffloadingConnector), if one runs on this build (otherwise
+  their errors are reported);
 - kmesh_dense / kmesh / kmesh_lru: KMesh's store holding every member's transcript between
   rounds (bench/capacity_kmesh.py: restored each round, lost pieces computed again), with
   collective recovery of each round: dense pieces / Master-Mirror pieces with retention by
@@ -28,6 +29,7 @@ piece lost), the memory effect alone.
 """
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,10 @@ KMESH_STRATEGIES = {
 LIMITS = {"allgather": 2.0, "trajectory": 1.5}
 VLLM_PAGE = 32  # vLLM's page in tokens (kmesh/vllm/config.py::DEFAULT_BLOCK_SIZE)
 VLLM_TIMEOUT_S = 3600
+# vLLM's own offloading to CPU memory, tried in this order for vanilla_offload.
+OFFLOAD_CONNECTORS = ("SimpleCPUOffloadConnector", "OffloadingConnector")
+# The line naming what failed in a vLLM process's log: a worker's error, or an exception.
+ROOT_CAUSE = re.compile(r"Worker failed with error '[^\n]*'|\b\w+Error: [^\n]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +159,8 @@ def run_capacity_bench(
 def _vllm(
     cfg: CapacityConfig, name: str, model: str | None, fingerprint: str, directory: Path
 ) -> dict[str, Any]:
-    """One vLLM strategy in its own process; its runs, or its error."""
+    """One vLLM strategy in its own process (vanilla_offload: each of vLLM's offloading
+    connectors until one runs); its runs, or why it did not run."""
     spec = {
         "model": model,
         "strategy": name,
@@ -168,28 +175,15 @@ def _vllm(
         "tool_tokens": cfg.tool_tokens,
         "fingerprint": fingerprint,
         "traces": str(directory) if name == "vanilla" else None,
-        "result": str(directory / f"{name}.json"),
     }
-    path = directory / f"{name}-spec.json"
-    path.write_text(json.dumps(spec))
-    log_path = directory / f"{name}.log"
-    with log_path.open("w") as out:
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "kmesh.bench.capacity_vllm", str(path)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=VLLM_TIMEOUT_S,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"did not finish in {VLLM_TIMEOUT_S} s"}
-    result_path = directory / f"{name}.json"
-    if not result_path.is_file():
-        return {"error": "the process ended without a result: " + log_path.read_text()[-2000:]}
-    result: dict[str, Any] = json.loads(result_path.read_text())
-    if "error" in result:
-        return {"error": result["error"]}
+    errors = []
+    for connector in OFFLOAD_CONNECTORS if name == "vanilla_offload" else (None,):
+        result = _vllm_process({**spec, "connector": connector}, directory / (connector or name))
+        if "error" not in result:
+            break
+        errors.append(f"{connector}: {result['error']}" if connector else result["error"])
+    else:
+        return {"error": "; ".join(errors)}
     runs = []
     for run in result["runs"]:
         rounds = run["rounds"]
@@ -204,7 +198,37 @@ def _vllm(
                 "bytes_restored": 0,
             }
         )
-    return {"runs": runs}
+    return {"runs": runs, "connector": result.get("connector")}
+
+
+def _vllm_process(spec: dict[str, Any], stem: Path) -> dict[str, Any]:
+    """Run bench/capacity_vllm.py on `spec`; its result, or {"error": why}."""
+    path, log_path, result_path = (stem.with_suffix(s) for s in (".spec", ".log", ".json"))
+    path.write_text(json.dumps({**spec, "result": str(result_path)}))
+    with log_path.open("w") as out:
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "kmesh.bench.capacity_vllm", str(path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=VLLM_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"did not finish in {VLLM_TIMEOUT_S} s"}
+    if not result_path.is_file():
+        return {"error": f"ended without a result ({_root_cause(log_path.read_text())})"}
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    if "error" in result:
+        return {"error": f"{result['error']} ({_root_cause(log_path.read_text())})"}
+    result["connector"] = spec["connector"]
+    return result
+
+
+def _root_cause(log: str) -> str:
+    """The first error vLLM's processes logged (what failed first), or the last line."""
+    found = ROOT_CAUSE.search(log)
+    return found.group(0) if found else log.strip().splitlines()[-1][-300:]
 
 
 def _kmesh(

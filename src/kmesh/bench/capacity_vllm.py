@@ -19,8 +19,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-CPU_OFFLOAD = "SimpleCPUOffloadConnector"
-
 
 def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     from kmesh.vllm.config import vllm_engine_kwargs
@@ -29,10 +27,10 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs = vllm_engine_kwargs(
         spec["model"], connector=False, kv_cache_bytes=budget, max_model_len=spec["max_model_len"]
     )
-    if spec["strategy"] == "vanilla_offload":
+    if spec["connector"] is not None:
         kwargs["kv_cache_memory_bytes"] = budget // 2
         kwargs["kv_transfer_config"] = {
-            "kv_connector": CPU_OFFLOAD,
+            "kv_connector": spec["connector"],
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": budget - budget // 2},
         }
