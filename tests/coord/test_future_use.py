@@ -40,6 +40,15 @@ def test_a_new_declaration_replaces_the_date_and_unpinned_entries_ignore_it():
     assert _drain(order) == ["c", "a", "b"]
 
 
+def test_among_equal_dates_the_tail_of_a_chain_goes_before_its_head():
+    order = _order(head=1, middle=1, tail=1, other=1)
+    for ident in ("head", "middle", "tail", "other"):
+        order.pin(ident, next_use=5 if ident != "other" else 1)
+    for ident in ("head", "middle", "tail"):  # a chain is read head to tail
+        order.touch(ident)
+    assert _drain(order) == ["tail", "middle", "head", "other"]
+
+
 def test_lru_never_evicts_a_pinned_entry_and_an_unpinned_one_comes_back_as_most_recent():
     order = _order("lru", a=1, b=2, c=4)
     order.pin("a")

@@ -239,6 +239,7 @@ def _kmesh(
     per_token: int,
     directory: Path,
 ) -> dict[str, Any]:
+    from kmesh.bench.allgather_config import AllGatherBenchConfig
     from kmesh.bench.capacity_kmesh import GroupStateRun
     from kmesh.store.process import start_store
 
@@ -261,7 +262,7 @@ def _kmesh(
             store.socket,
             layout,
             declare,
-            cfg.agent_ratio,
+            AllGatherBenchConfig().recovery(cfg.agent_ratio),
             collective=cfg.workload == "allgather",
         ).run()
     finally:
@@ -275,6 +276,7 @@ def _kmesh(
         "recomputed_tokens_per_round": [s.recomputed for s in stats],
         "pieces_lost": sum(s.pieces_lost for s in stats),
         "restores_checked": sum(s.restores_checked for s in stats),
+        "restore_mismatches": sum(s.restore_mismatches for s in stats),
         "store_bytes": capacity,
         "bytes_per_agent": last.held_bytes / len(turns[0]),
         "transcript_bytes_per_agent": last.transcript_bytes,

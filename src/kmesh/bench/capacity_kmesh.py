@@ -4,8 +4,10 @@ in a store of a fixed size between rounds, restored from it each round.
 One run replays one trace (workloads/allgather.py) with the reference executor, in rounds:
 1. restore: each member's transcript (its previous prompt minus the instruction) is read back from
    the store as its chain of pieces (store/group_state.py): the family trunk, the member's
-   private rows, then one piece per earlier round. From the first piece the store lost on, the
-   rest is computed (exact prefill after what was restored) and published again as dense pieces.
+   private rows, then one piece per earlier round. From the first piece the store lost on
+   (evicted, corrupted: its checksum, or not bit-identical: its digest), the rest is computed
+   (exact prefill after what was restored) and published again as dense pieces. A store that
+   is gone is used no more: every transcript is computed.
 2. the round: recovery/collective.py, the master from the first member (computed exactly), the
    others mirrored from it (their corrections by `agent_ratio`), the instruction computed.
 3. publish: each member's new piece (the round's outputs in its prompt), declared for its next
@@ -32,16 +34,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kmesh.bench.allgather_config import AllGatherBenchConfig
 from kmesh.bench.allgather_inputs import RecoveryInputs, Transcript, region_segments
 from kmesh.compute.executor import DenseKV, Executor
 from kmesh.kv.master_mirror import Master
 from kmesh.recovery.collective import MASTER_BLOCK, blank_kv, recover_round
 from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace, piece_key, segment_key
-from kmesh.store import StoreClient, StoreError, StoreRefused
+from kmesh.store import StoreClient, StoreError, StoreUnavailable
 from kmesh.store.group_state import (
     Payload,
     Piece,
+    PieceMismatch,
     master_payload,
     piece_payload,
     publish,
@@ -64,6 +68,7 @@ class RoundStats:
     bytes_restored: int = 0
     pieces_lost: int = 0
     restores_checked: int = 0  # pieces restored and found bit-identical (digest) to the published
+    restore_mismatches: int = 0  # pieces whose restore was not (recomputed instead)
     held_bytes: int = 0
     transcript_bytes: float = 0.0  # per member
     mirror_bytes: float = 0.0  # per member
@@ -88,10 +93,12 @@ class GroupStateRun:
         store: str,
         layout: str,
         declare: bool,
-        agent_ratio: float = 0.0,
+        recovery: RecoveryConfig | None = None,
         collective: bool = True,
         chunk: int = 4,
     ) -> None:
+        """`recovery`: the mirrored members' (default: the All-Gather bench's, agent ratio 0:
+        kv_deviation with the gate at 0.1 on 1/8 of the tokens)."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.executor = executor
@@ -101,21 +108,31 @@ class GroupStateRun:
         self.declare = declare
         self.collective = collective
         self.chunk = chunk
-        self.cfg = RecoveryConfig("kv_deviation" if agent_ratio > 0 else "none", agent_ratio)
+        self.cfg = recovery or AllGatherBenchConfig().recovery(0.0)
         self.inputs = RecoveryInputs(executor, fingerprint, self.agents, MASTER_BLOCK)
         self.namespace = KeyNamespace(fingerprint, tenant_salt="kmesh-approx")
-        self.store = store
+        self.client = StoreClient(store)
         self.members = [_Member() for _ in range(self.agents)]
         self._shared_bytes = 0  # the trunk and every master, once
         self._trunk: Transcript | None = None
+        self._trunk_key = b""
+        self._master_keys: list[bytes] = []
+        self.available = True  # False once the store is gone: every piece is computed
 
     def run(self) -> list[RoundStats]:
-        with StoreClient(self.store) as self.client:
-            return [self._round(r) for r in range(len(self.rounds))]
+        """Every round, in order."""
+        try:
+            return [self.round(r) for r in range(len(self.rounds))]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.client.close()
 
     # -- one round ---------------------------------------------------------------------------
 
-    def _round(self, r: int) -> RoundStats:
+    def round(self, r: int) -> RoundStats:
+        """Round r (the earlier ones done)."""
         stats = RoundStats()
         turns = self.rounds[r]
         master: Master | None = None
@@ -133,7 +150,13 @@ class GroupStateRun:
             for turn, piece in zip(chunk, pieces, strict=True):
                 self._extend(turn, piece, r)
             stats.seconds += time.perf_counter() - started
-        stats.held_bytes = self.client.stats()["used"]
+        # The trunk and the masters: read by every member from the next round's start on.
+        self._declare([self._trunk_key, *self._master_keys], self._round_start(r + 1), stats)
+        if self.available:
+            try:
+                stats.held_bytes = self.client.stats()["used"]
+            except StoreError as error:
+                self._failed(error, stats)
         stats.mirror_bytes = sum(sum(m.own_bytes) for m in self.members) / self.agents
         stats.transcript_bytes = stats.mirror_bytes + self._shared_bytes / self.agents
         return stats
@@ -163,13 +186,15 @@ class GroupStateRun:
         if result.built:
             payload = master_payload(result.master)
             self._shared_bytes += payload[0]
+            self._master_keys.append(key)
             self._publish(key, payload, self._round_start(r + 1))
         pieces = []
         for turn, sibling, out in zip(turns, siblings, result.siblings, strict=True):
             stats.round_computed += out.recovered.computed_tokens
             held = _held_end(turn) - sibling.start
             k, v = out.recovered.k[:, :held], out.recovered.v[:, :held]
-            mirrors = out.mirrors if self.layout == "mirror" else ()
+            mirrored = self.layout == "mirror" and not out.recovered.fell_back
+            mirrors = out.mirrors if mirrored else ()  # a gated member is its own rows
             pieces.append(Piece.of(sibling.start, k, v, mirrors, key))
         return pieces, result.master
 
@@ -213,13 +238,14 @@ class GroupStateRun:
         """The member's transcript from the store: its pieces up to the first one lost, the
         rest computed after them and published again."""
         member = self.members[turn.agent]
-        got = self.client.acquire(member.keys)
-        self.client.abandon(got.lead)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
         masters: dict[bytes, Master] = {}
-        for hit in got.hits:
-            try:
+        try:
+            got = self.client.acquire(member.keys) if self.available else None
+            if got is not None:
+                self.client.abandon(got.lead)
+            for hit in () if got is None else got.hits:
                 with self.client.read(hit) as entry:
                     piece = read_piece(entry.data)
                 stats.bytes_restored += hit.size
@@ -228,16 +254,15 @@ class GroupStateRun:
                     master = masters.get(piece.master) or self._read_master(piece.master, stats)
                     masters[piece.master] = master
                 k, v = restore_piece(piece, master, self.executor.config)
-            except StoreError:
-                break
-            stats.restores_checked += 1
-            ks.append(k)
-            vs.append(v)
+                stats.restores_checked += 1
+                ks.append(k)
+                vs.append(v)
+        except StoreError as error:
+            self._failed(error, stats)
         if len(ks) < len(member.keys):
             stats.pieces_lost += len(member.keys) - len(ks)
             self._recompute(member, ks, vs, stats)
-        if self.declare:
-            self.client.pin(FAMILY, member.keys, self._next_use(turn.agent, turn.round))
+        self._declare(member.keys[1:], self._next_use(turn.agent, turn.round), stats)
         tokens = tuple(t for piece in member.tokens for t in piece)
         return Transcript(tokens, torch.cat(ks, dim=1), torch.cat(vs, dim=1))
 
@@ -285,7 +310,8 @@ class GroupStateRun:
         stats.round_computed += out[0].computed_tokens
         payload = piece_payload(Piece.of(0, out[0].k, out[0].v))
         self._shared_bytes += payload[0]
-        self._publish(piece_key(self.namespace, None, system.token_ids), payload, 0.0)
+        self._trunk_key = piece_key(self.namespace, None, system.token_ids)
+        self._publish(self._trunk_key, payload, 0.0)
         self._trunk = Transcript(system.token_ids, out[0].k, out[0].v)
         return self._trunk
 
@@ -295,18 +321,36 @@ class GroupStateRun:
         """Publish `key` unless the store has it (`replace`: drop what it has first); declared
         for `next_use` when this run declares. A store that cannot fit it refuses: the next
         restore finds it lost."""
-        got = self.client.acquire([key])
-        if got.hits and replace:
-            self.client.drop(got.hits[0])
-            got = self.client.acquire([key])
+        if not self.available:
+            return
         family = FAMILY if self.declare else None
         try:
+            got = self.client.acquire([key])
+            if got.hits and replace:
+                self.client.drop(got.hits[0])
+                got = self.client.acquire([key])
             if got.lead:
                 publish(self.client, key, payload, family, next_use)
             elif family is not None:
                 self.client.pin(family, [key], next_use)
-        except StoreRefused:
-            pass
+        except StoreError as error:
+            self._failed(error, None)
+
+    def _declare(self, keys: Sequence[bytes], next_use: float, stats: RoundStats) -> None:
+        """Declare `keys`' next use to the store, when this run declares."""
+        if self.declare and self.available:
+            try:
+                self.client.pin(FAMILY, keys, next_use)
+            except StoreError as error:
+                self._failed(error, stats)
+
+    def _failed(self, error: StoreError, stats: RoundStats | None) -> None:
+        """A store call failed: a piece lost (the caller computes instead), a refusal (not
+        kept), a digest mismatch (counted), or the store gone (used no more)."""
+        if isinstance(error, StoreUnavailable):
+            self.available = False
+        if isinstance(error, PieceMismatch) and stats is not None:
+            stats.restore_mismatches += 1
 
     def _master_key(self, r: int) -> bytes:
         """Round r's master: the tokens of round r - 1's outputs, in author order."""

@@ -10,9 +10,11 @@ future_use (the default):
 1. ended: pinned once, every pinning family has closed since (a finished branch, a closed round
    or family): least recently used first;
 2. undeclared: never pinned: least recently used first;
-3. declared: pinned by an open family: the furthest declared next use first, least recently used
-   among equals. Pins are soft: a declared entry goes when nothing else is left, and the request
-   that would have read it computes instead (every reader falls back on a missing entry).
+3. declared: pinned by an open family: the furthest declared next use first; among equals the most
+   recently used first (state is read head to tail, a prefix chain before what extends it, and a
+   lost head makes its tail useless: the tail goes first, as vLLM frees a request's blocks tail
+   first). Pins are soft: a declared entry goes when nothing else is left, and the request that
+   would have read it computes instead (every reader falls back on a missing entry).
 
 lru (the baseline; the store's policy before future use): unpinned entries least recently used
 first, an entry coming back as most recent when its last pin goes; pinned entries never go.
@@ -105,7 +107,8 @@ class EvictionOrder(Generic[Ident]):
         declared = self._classes[_DECLARED]
         if self.retention == "lru" or not declared:
             return None
-        return max(declared, key=lambda i: self._entries[i].next_use)  # first max: the LRU
+        # reversed: the first of the furthest is the most recently used
+        return max(reversed(declared), key=lambda i: self._entries[i].next_use)
 
     def _evicts(self, cls: int) -> bool:
         return cls != _DECLARED or self.retention == "future_use"
