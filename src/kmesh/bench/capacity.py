@@ -220,7 +220,7 @@ def _vllm_process(spec: dict[str, Any], stem: Path) -> dict[str, Any]:
         return {"error": f"ended without a result ({_root_cause(log_path.read_text())})"}
     result: dict[str, Any] = json.loads(result_path.read_text())
     if "error" in result:
-        return {"error": f"{result['error']} ({_root_cause(log_path.read_text())})"}
+        return {"error": f"{_root_cause(log_path.read_text())} ({result['error']})"}
     result["connector"] = spec["connector"]
     return result
 
@@ -281,6 +281,7 @@ def _kmesh(
         "bytes_per_agent": last.held_bytes / len(turns[0]),
         "transcript_bytes_per_agent": last.transcript_bytes,
         "own_bytes_per_agent": last.mirror_bytes,
+        "transcript_bytes_per_agent_per_round": [s.transcript_bytes for s in stats],
         "bytes_restored": sum(s.bytes_restored for s in stats),
     }
 

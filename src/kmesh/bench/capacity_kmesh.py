@@ -179,11 +179,12 @@ class GroupStateRun:
         stats: RoundStats,
     ) -> tuple[list[Piece], Master]:
         """The round's members of this chunk through collective recovery; the master, built
-        by the round's first member, published once."""
+        by the round's first member, published once when pieces mirror it (dense pieces need
+        it during the round only)."""
         key = self._master_key(r)
         siblings = [self.inputs.sibling(r, t, x) for t, x in zip(turns, transcripts, strict=True)]
         result = recover_round(self.executor, siblings, self.cfg, MASTER_BLOCK, master)
-        if result.built:
+        if result.built and self.layout == "mirror":
             payload = master_payload(result.master)
             self._shared_bytes += payload[0]
             self._master_keys.append(key)
