@@ -50,6 +50,20 @@ def test_model_info_names_the_cache_and_config():
             "cannot read",
         ),
         (["bench", "load", "--clients", "0", "--json", "x.json"], "--clients must be at least 1"),
+        (["bench", "capacity", "--agents", "4,x", "--json", "x.json"], "expected counts like"),
+        (["bench", "capacity", "--agents", "1", "--json", "x.json"], "at least 2"),
+        (["bench", "capacity", "--rounds", "1", "--json", "x.json"], "--rounds must be at least"),
+        (
+            ["bench", "capacity", "--strategies", "kmesh", "--json", "x.json"],
+            "must include vanilla",
+        ),
+        (
+            [
+                *("bench", "capacity", "--workload", "trajectory"),
+                *("--strategies", "vanilla,kmesh_dense", "--json", "x.json"),
+            ],
+            "name only vanilla, vanilla_offload, kmesh, kmesh_lru for the trajectory",
+        ),
     ],
 )
 def test_bad_input_gets_one_clear_line_and_no_traceback(args, message):
@@ -64,4 +78,12 @@ def test_a_prompt_longer_than_the_context_is_refused():
     result = kmesh("generate", "word " * 9000)
     assert result.returncode == 2
     assert "context is 8192 tokens" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.model
+def test_a_capacity_budget_below_one_request_is_refused_before_anything_runs():
+    result = kmesh("bench", "capacity", "--budget-mib", "64", "--json", "x.json")
+    assert result.returncode == 2
+    assert "--budget-mib 64 does not hold one request's KV at 32 agents" in result.stderr
     assert "Traceback" not in result.stderr

@@ -117,6 +117,13 @@ def run_capacity_bench(
 
     loaded = load_model(model)
     per_token = _token_bytes(loaded.executor)
+    longest = _max_model_len(cfg) * per_token
+    if cfg.budget_bytes <= longest:
+        raise InvalidRequestError(
+            f"--budget-mib {cfg.budget_mib} does not hold one request's KV at "
+            f"{max(cfg.agents)} agents and {cfg.rounds} rounds (up to {longest >> 20} MiB): "
+            "raise it, or lower --agents or --rounds"
+        )
     strategies: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kmc-") as folder:
         directory = Path(folder)
@@ -320,9 +327,10 @@ def _dense_transcript_bytes(rounds: Sequence[Sequence[Any]], per_token: int) -> 
 
 
 def _ideal_prefix_cache(rounds: Sequence[Sequence[Any]]) -> list[int]:
-    """Per round, what a prefix cache of unlimited size computes: each prompt minus its longest
-    prefix of whole pages that an earlier prompt (of any agent or round) had, at least the last
-    token."""
+    """Per round, what a prefix cache of unlimited size computes, prompts one after another:
+    each prompt minus its longest prefix of whole pages an earlier prompt (of any agent or
+    round) had, at least its last token. A lower bound: vLLM batches a round's prompts, and
+    those in one step do not hit each other's pages."""
     seen: set[tuple[int, ...]] = set()
     computed = []
     for turns in rounds:
@@ -333,8 +341,6 @@ def _ideal_prefix_cache(rounds: Sequence[Sequence[Any]]) -> list[int]:
             while hit + VLLM_PAGE < len(tokens) and tokens[: hit + VLLM_PAGE] in seen:
                 hit += VLLM_PAGE
             total += len(tokens) - hit
-        for turn in turns:
-            tokens = turn.prompt.token_ids
             seen.update(tokens[:end] for end in range(VLLM_PAGE, len(tokens) + 1, VLLM_PAGE))
         computed.append(total)
     return computed
