@@ -77,6 +77,25 @@ def test_a_corrupted_piece_is_dropped_and_computed_again(tiny, rounds, store_fac
     assert stats.restores_checked == AGENTS * 3 - 2
 
 
+def test_a_corrupted_master_is_dropped_and_every_mirror_of_it_computed_again(
+    tiny, rounds, store_factory
+):
+    store = store_factory(capacity="64M")
+    run = _run(tiny, rounds, store)
+    try:
+        run.round(0)
+        run.round(1)
+        with store.client() as client:
+            [hit] = client.acquire([run.master_keys[0]]).hits
+            corrupt_segment(hit.name, offset=hit.size - 7)
+        stats = run.round(2)
+    finally:
+        run.close()
+    assert stats.pieces_lost == AGENTS  # each member's round-1 piece mirrors the lost master
+    assert stats.restores_checked == AGENTS * 2  # trunk and private pieces
+    assert stats.recomputed > 0 and stats.restore_mismatches == 0
+
+
 def test_a_store_killed_between_rounds_leaves_every_transcript_computed(
     tiny, rounds, store_factory
 ):

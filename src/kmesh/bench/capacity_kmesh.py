@@ -116,7 +116,7 @@ class GroupStateRun:
         self._shared_bytes = 0  # the trunk and every master, once
         self._trunk: Transcript | None = None
         self._trunk_key = b""
-        self._master_keys: list[bytes] = []
+        self.master_keys: list[bytes] = []
         self.available = True  # False once the store is gone: every piece is computed
 
     def run(self) -> list[RoundStats]:
@@ -151,7 +151,7 @@ class GroupStateRun:
                 self._extend(turn, piece, r)
             stats.seconds += time.perf_counter() - started
         # The trunk and the masters: read by every member from the next round's start on.
-        self._declare([self._trunk_key, *self._master_keys], self._round_start(r + 1), stats)
+        self._declare([self._trunk_key, *self.master_keys], self._round_start(r + 1), stats)
         if self.available:
             try:
                 stats.held_bytes = self.client.stats()["used"]
@@ -187,7 +187,7 @@ class GroupStateRun:
         if result.built and self.layout == "mirror":
             payload = master_payload(result.master)
             self._shared_bytes += payload[0]
-            self._master_keys.append(key)
+            self.master_keys.append(key)
             self._publish(key, payload, self._round_start(r + 1))
         pieces = []
         for turn, sibling, out in zip(turns, siblings, result.siblings, strict=True):
