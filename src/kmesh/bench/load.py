@@ -1,7 +1,9 @@
 """`kmesh bench load`: `kmesh serve` under many concurrent clients, faults and hostile bodies.
 
 On loopback only, bounded in time and count. The bench starts a store (`kmesh store serve`) and
-`kmesh serve --engine E --store S --api-keys K` (two tenants), then:
+`kmesh serve --engine E --store S --api-keys K` (two tenants), or for `vllm-vanilla` vLLM's own
+OpenAI server (no connector, one API key; the plain mix only: the side-by-side reference for
+vLLM's own memory), then:
 
 1. soak: N client tasks send the mix of bench/load_traffic.py until `seconds` have passed; each
    exchange is timed (first token: the first content chunk of a stream, or the whole answer) and
@@ -33,13 +35,23 @@ from typing import Any
 import httpx
 import psutil
 
-from kmesh.bench.load_traffic import Exchange, encoded, next_exchange, round_member
+from kmesh.bench.load_traffic import (
+    KINDS,
+    PLAIN_KINDS,
+    Exchange,
+    encoded,
+    next_exchange,
+    round_member,
+)
 from kmesh.errors import InvalidRequestError
-from kmesh.serve.process import start_kmesh_serve
+from kmesh.serve.process import start_kmesh_serve, start_vllm_server
 from kmesh.store.client import StoreClient
 from kmesh.store.process import start_store
+from kmesh.vllm.config import vllm_engine_kwargs
 
 KEY_A, KEY_B = "kmesh-load-key-a", "kmesh-load-key-b"
+VANILLA = "vllm-vanilla"
+MIXES = ("full", "plain")
 TENANT_KEYS = {KEY_A: "load-a", KEY_B: "load-b"}
 REQUEST_TIMEOUT_S = 300
 ABANDON_CLIENTS = 32
@@ -47,12 +59,13 @@ ABANDON_CLIENTS = 32
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    engine: str
+    engine: str  # reference, vllm, or vllm-vanilla (vLLM's own server, the plain mix only)
     clients: int
     seconds: float
     check: int = 60
     abandon: int = 0
     seed: int = 0
+    mix: str = "full"  # full: every kind; plain: what any OpenAI server takes (PLAIN_KINDS)
     sample_s: float = 5.0
     store_capacity: str = "256M"
     # kmesh serve --recovery-bytes: small enough that recovery's cache is full after warm-up,
@@ -64,6 +77,23 @@ class LoadConfig:
             raise InvalidRequestError("--clients must be at least 1 and --seconds above 0")
         if self.check < 0 or self.abandon < 0:
             raise InvalidRequestError("--check and --abandon must be 0 or more")
+        if self.mix not in MIXES:
+            raise InvalidRequestError(f"--mix must be one of {', '.join(MIXES)}")
+        if self.engine == VANILLA and (self.mix != "plain" or self.abandon):
+            raise InvalidRequestError(
+                f"--engine {VANILLA} is vLLM's own server: it takes --mix plain and no --abandon "
+                "(families, rounds and tenants are KMesh's)"
+            )
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return PLAIN_KINDS if self.mix == "plain" else tuple(KINDS)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The API keys clients send: both tenants', or one with the plain mix (vanilla vLLM
+        knows one key)."""
+        return (KEY_A,) if self.mix == "plain" else (KEY_A, KEY_B)
 
 
 @dataclass(slots=True)
@@ -178,19 +208,18 @@ def _quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _soak(cfg: LoadConfig, url: str, pid: int, store: str, log: Any) -> dict[str, Any]:
+async def _soak(cfg: LoadConfig, url: str, pid: int, store: str | None, log: Any) -> dict[str, Any]:
     deadline = time.monotonic() + cfg.seconds
     outcomes: list[tuple[Exchange, ExchangeResult]] = []
     samples: list[dict[str, Any]] = []
     serial = iter(range(10**9))
-    keys = (KEY_A, KEY_B)
     limits = httpx.Limits(max_connections=cfg.clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
 
         async def worker(index: int) -> None:
             rng = random.Random(cfg.seed * 1000 + index)
             while time.monotonic() < deadline:
-                exchange = next_exchange(rng, keys, next(serial))
+                exchange = next_exchange(rng, cfg.keys, next(serial), cfg.kinds)
                 outcomes.append((exchange, await _exchange(client, exchange)))
 
         async def sampler() -> None:
@@ -206,9 +235,11 @@ async def _soak(cfg: LoadConfig, url: str, pid: int, store: str, log: Any) -> di
     return {"outcomes": outcomes, "samples": samples}
 
 
-def _sample(started: float, pid: int, store: str) -> dict[str, Any]:
-    with StoreClient(store) as client:
-        used = client.stats()["used"]
+def _sample(started: float, pid: int, store: str | None) -> dict[str, Any]:
+    used = 0
+    if store is not None:
+        with StoreClient(store) as client:
+            used = client.stats()["used"]
     rss = _rss_mib(pid)
     return {
         "t": time.monotonic() - started,
@@ -286,16 +317,21 @@ def run_load_bench(cfg: LoadConfig, log: Any = print) -> dict[str, Any]:
         directory = Path(folder)
         keys = directory / "keys.json"
         keys.write_text(json.dumps(TENANT_KEYS))
-        store = start_store(directory, cfg.store_capacity)
-        options = (
-            *("--store", store.socket, "--api-keys", str(keys)),
-            *("--recovery-bytes", cfg.recovery_bytes),
-        )
-        timeout = 600 if cfg.engine == "vllm" else 180
-        server = start_kmesh_serve(cfg.engine, directory / "serve.log", options, timeout=timeout)
+        store = None if cfg.engine == VANILLA else start_store(directory, cfg.store_capacity)
+        if store is None:
+            kwargs = {**vllm_engine_kwargs(None, connector=False), "api_key": KEY_A}
+            server = start_vllm_server(kwargs, directory / "serve.log", timeout=600)
+        else:
+            options = (
+                *("--store", store.socket, "--api-keys", str(keys)),
+                *("--recovery-bytes", cfg.recovery_bytes),
+            )
+            timeout = 600 if cfg.engine == "vllm" else 180
+            server = start_kmesh_serve(cfg.engine, directory / "serve.log", options, timeout)
+        socket = None if store is None else store.socket
         try:
             log(f"load: {cfg.clients} clients for {cfg.seconds:.0f}s on {server.url}")
-            soak = asyncio.run(_soak(cfg, server.url, server.process.pid, store.socket, log))
+            soak = asyncio.run(_soak(cfg, server.url, server.process.pid, socket, log))
             log(f"load: cold check of up to {cfg.check} exact answers")
             check = asyncio.run(_cold_check(cfg, server.url, soak["outcomes"]))
             abandoned = None
@@ -303,7 +339,8 @@ def run_load_bench(cfg: LoadConfig, log: Any = print) -> dict[str, Any]:
                 abandoned = asyncio.run(_abandon(cfg, server.url, server.process.pid, log))
         finally:
             server_log = server.stop()
-            store.stop()
+            if store is not None:
+                store.stop()
     return report(cfg, soak, check, abandoned, server_log)
 
 

@@ -19,6 +19,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+# The kinds any OpenAI server takes (no `kmesh` fields, no second tenant): the mix run against
+# vanilla vLLM and against KMesh side by side (`kmesh bench load --mix plain`).
+PLAIN_KINDS = ("plain", "chat", "stream", "disconnect")
 KINDS = {  # kind -> weight in the mix
     "plain": 6,
     "chat": 3,
@@ -72,9 +75,12 @@ class Exchange:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def next_exchange(rng: random.Random, keys: tuple[str, str], serial: int) -> Exchange:
-    """One exchange of the mix; `serial` makes ids (families, rounds) unique."""
-    kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+def next_exchange(
+    rng: random.Random, keys: tuple[str, ...], serial: int, kinds: tuple[str, ...] = tuple(KINDS)
+) -> Exchange:
+    """One exchange of the mix of `kinds` (at their weights); `serial` makes ids (families,
+    rounds) unique."""
+    kind = rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
     key = keys[rng.randrange(len(keys))]
     prefix, question = rng.choice(PREFIXES), rng.choice(QUESTIONS)
     greedy = {"temperature": 0, "max_tokens": rng.randint(4, 24)}

@@ -13,7 +13,9 @@ def _bench_load(args: argparse.Namespace) -> None:
     from kmesh.bench.load import LoadConfig, run_load_bench
     from kmesh.bench.load_report import plot, print_report
 
-    cfg = LoadConfig(args.engine, args.clients, args.seconds, args.check, args.abandon, args.seed)
+    cfg = LoadConfig(
+        args.engine, args.clients, args.seconds, args.check, args.abandon, args.seed, args.mix
+    )
     console = Console(stderr=True)
     result = run_load_bench(cfg, console.log)
     print_report(result, report_console())
@@ -27,7 +29,19 @@ def register(benches: Commands) -> None:
         "load",
         help="kmesh serve under concurrent clients, disconnects, families, rounds, bad bodies",
     )
-    load.add_argument("--engine", choices=["reference", "vllm"], default="reference")
+    load.add_argument(
+        "--engine",
+        choices=["reference", "vllm", "vllm-vanilla"],
+        default="reference",
+        help="vllm-vanilla: vLLM's own server, no KMesh (with --mix plain)",
+    )
+    load.add_argument(
+        "--mix",
+        choices=["full", "plain"],
+        default="full",
+        help="full: every kind; plain: only what any OpenAI server takes (plain, chat, stream, "
+        "disconnect), to compare with vllm-vanilla",
+    )
     load.add_argument("--clients", type=int, default=32, help="concurrent clients")
     load.add_argument("--seconds", type=float, default=600, help="how long the soak runs")
     load.add_argument(
