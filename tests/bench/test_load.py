@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from kmesh.bench.load import ExchangeResult, LoadConfig, report, slope_per_minute
-from kmesh.bench.load_traffic import KINDS, next_exchange
+from kmesh.bench.load import KEY_A, ExchangeResult, LoadConfig, report, slope_per_minute
+from kmesh.bench.load_traffic import KINDS, PLAIN_KINDS, next_exchange
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest
 
 KEYS = ("key-a", "key-b")
@@ -20,6 +20,14 @@ def test_the_mix_is_seeded_and_holds_every_kind():
     rng = random.Random(0)
     kinds = {next_exchange(rng, KEYS, i).kind for i in range(400)}
     assert kinds == set(KINDS)
+
+
+def test_the_plain_mix_holds_only_what_any_openai_server_takes():
+    rng = random.Random(0)
+    cfg = LoadConfig("vllm-vanilla", clients=1, seconds=1, mix="plain")
+    exchanges = [next_exchange(rng, cfg.keys, i, cfg.kinds) for i in range(200)]
+    assert {e.kind for e in exchanges} == set(PLAIN_KINDS) and cfg.keys == (KEY_A,)
+    assert all("kmesh" not in e.body for e in exchanges)
 
 
 def test_every_exchange_that_expects_200_is_a_valid_body():
