@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from kmesh.bench.capacity_kmesh import GroupStateRun
+from kmesh.bench.capacity_kmesh import GroupStateRun, RoundStats
 from kmesh.recovery.recover import RecoveryConfig
 from kmesh.workloads.allgather import group_rounds
 from tests.conftest import synthetic_allgather_turns
@@ -59,19 +59,23 @@ def test_future_use_retention_loses_less_than_lru_in_a_store_too_small(tiny, rou
     assert all(s.restore_mismatches == 0 for s in (*lru_stats, *future_stats))
 
 
-def test_a_corrupted_piece_is_dropped_and_computed_again(tiny, rounds, store_factory):
-    store = store_factory(capacity="64M")
+def _round_2_after_corrupting(tiny, rounds, store, key_of) -> RoundStats:
+    """Round 2 after rounds 0 and 1, with the entry of `key_of(run)` corrupted in between."""
     run = _run(tiny, rounds, store)
     try:
         run.round(0)
         run.round(1)
         with store.client() as client:
-            private = run.members[2].keys[1]
-            [hit] = client.acquire([private]).hits
-            corrupt_segment(hit.name, offset=hit.size // 2)
-        stats = run.round(2)
+            [hit] = client.acquire([key_of(run)]).hits
+            corrupt_segment(hit.name, offset=hit.size - 7)
+        return run.round(2)
     finally:
         run.close()
+
+
+def test_a_corrupted_piece_is_dropped_and_computed_again(tiny, rounds, store_factory):
+    store = store_factory(capacity="64M")
+    stats = _round_2_after_corrupting(tiny, rounds, store, lambda run: run.members[2].keys[1])
     assert stats.pieces_lost == 2  # member 2's private piece and its round-1 piece after it
     assert stats.recomputed > 0 and stats.restore_mismatches == 0
     assert stats.restores_checked == AGENTS * 3 - 2
@@ -81,16 +85,7 @@ def test_a_corrupted_master_is_dropped_and_every_mirror_of_it_computed_again(
     tiny, rounds, store_factory
 ):
     store = store_factory(capacity="64M")
-    run = _run(tiny, rounds, store)
-    try:
-        run.round(0)
-        run.round(1)
-        with store.client() as client:
-            [hit] = client.acquire([run.master_keys[0]]).hits
-            corrupt_segment(hit.name, offset=hit.size - 7)
-        stats = run.round(2)
-    finally:
-        run.close()
+    stats = _round_2_after_corrupting(tiny, rounds, store, lambda run: run.master_keys[0])
     assert stats.pieces_lost == AGENTS  # each member's round-1 piece mirrors the lost master
     assert stats.restores_checked == AGENTS * 2  # trunk and private pieces
     assert stats.recomputed > 0 and stats.restore_mismatches == 0

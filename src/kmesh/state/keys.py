@@ -54,13 +54,20 @@ def block_key(
 ) -> BlockHash:
     """Key of one full block: namespace, the key of the block before it (None for the first) and
     its tokens. Chaining through the parent makes the key stand for the whole prefix."""
-    digest = hashlib.sha256(_BLOCK_KEY_VERSION)
+    return BlockHash(_chained_key(_BLOCK_KEY_VERSION, namespace, parent, token_ids))
+
+
+def _chained_key(
+    version: bytes, namespace: KeyNamespace, parent: bytes | None, token_ids: Sequence[int]
+) -> bytes:
+    """SHA-256 of a key kind's version tag, the namespace, the parent key and the tokens."""
+    digest = hashlib.sha256(version)
     digest.update(encode_part("model", namespace.model.encode()))
     digest.update(encode_part("adapter", _optional_text(namespace.adapter)))
     digest.update(encode_part("tenant", _optional_text(namespace.tenant_salt)))
     digest.update(encode_part("parent", parent))
     digest.update(encode_part("tokens", encode_tokens(token_ids)))
-    return BlockHash(digest.digest())
+    return digest.digest()
 
 
 def extend_block_keys(
@@ -111,10 +118,4 @@ def piece_key(namespace: KeyNamespace, parent: bytes | None, token_ids: Sequence
     """Key of a piece of held state (kmesh/store/group_state.py): namespace, the key of the piece
     before it (None for the first) and its tokens; like block_key, it stands for the whole
     transcript up to the piece's end, but a piece has any length and its own key space."""
-    digest = hashlib.sha256(_PIECE_KEY_VERSION)
-    digest.update(encode_part("model", namespace.model.encode()))
-    digest.update(encode_part("adapter", _optional_text(namespace.adapter)))
-    digest.update(encode_part("tenant", _optional_text(namespace.tenant_salt)))
-    digest.update(encode_part("parent", parent))
-    digest.update(encode_part("tokens", encode_tokens(token_ids)))
-    return digest.digest()
+    return _chained_key(_PIECE_KEY_VERSION, namespace, parent, token_ids)
