@@ -5,9 +5,10 @@ One vLLM instance with a KV cache of the budget (`vanilla`: prefix caching only)
 plus vLLM's own CPU offloading of the other half (`vanilla_offload`: SimpleCPUOffloadConnector),
 runs the workload (the All-Gather council, workloads/allgather.py, or agent trajectories,
 workloads/trajectory.py: a turn is a round) at each agent count, closed loop: each round
-its prompts are prefilled (one token generated: `computed` is the prompt tokens minus vLLM's
-prefix-cache hit, `seconds` that call's wall time), then answered (greedy, `output_tokens`), and
-the answers make the next round's prompts. The prefix cache is reset between agent counts. The
+its prompts are answered at once (greedy, `output_tokens`): `computed` is the prompt tokens
+minus vLLM's prefix-cache hit, `seconds` the last request's first-token latency (the round's
+prefill, with the decode steps vLLM interleaves), `round_seconds` the whole call; the answers
+make the next round's prompts. The prefix cache is reset between agent counts. The
 vanilla run's rounds are saved as traces that KMesh's strategies replay. A strategy vLLM cannot
 start writes its error instead.
 """
@@ -61,8 +62,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from kmesh.workloads.trace import save_trace
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(spec["model"]))
-    llm = LLM(**engine_kwargs(spec))
-    prefill = SamplingParams(temperature=0, max_tokens=1)
+    llm = LLM(**engine_kwargs(spec), disable_log_stats=False)  # stats: first-token latencies
     answer = SamplingParams(temperature=0, max_tokens=spec["output_tokens"])
     runs = []
     for agents in spec["agents"]:
@@ -73,12 +73,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             prompts = council.prompts()
             inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
             started = time.perf_counter()
-            outs = llm.generate(inputs, prefill, use_tqdm=False)
+            outs = llm.generate(inputs, answer, use_tqdm=False)
             seconds = time.perf_counter() - started
             computed = sum(len(o.prompt_token_ids or ()) - (o.num_cached_tokens or 0) for o in outs)
-            answers = llm.generate(inputs, answer, use_tqdm=False)
-            turns += council.answer(prompts, [a.outputs[0].token_ids for a in answers])
-            rounds.append({"computed": computed, "seconds": seconds})
+            # Every prompt arrives at once: the last first token ends the round's prefill.
+            prefill = max(o.metrics.first_token_latency for o in outs if o.metrics is not None)
+            turns += council.answer(prompts, [o.outputs[0].token_ids for o in outs])
+            rounds.append({"computed": computed, "seconds": prefill, "round_seconds": seconds})
         if spec.get("traces"):
             trace = Path(spec["traces"]) / f"trace-{agents}.jsonl"
             save_trace(trace, cfg, spec["fingerprint"], turns)
