@@ -152,3 +152,43 @@ def test_a_kept_output_is_reused_by_a_later_readers_recovery(make_tiny_engine):
     )
     other = engine.generate([elsewhere])[0].stats.recovery
     assert other is not None and other["reused_tokens"] == 0  # kept outputs stay in their tenant
+
+
+def test_a_round_spread_over_two_engines_on_one_store_mirrors_one_master(
+    make_tiny_engine, store_factory
+):
+    """Engine A runs the round's first sibling and publishes the master it built; engine B,
+    another engine on the same store, mirrors it into the others instead of building its own:
+    their outputs are those of one engine running the whole round."""
+    spec = RecoverySpec(policy="none", gate=None, round=ROUND)
+    requests = [sibling(0, "ab", spec), sibling(1, "ba", spec), sibling(2, "ba", spec)]
+    one = make_tiny_engine().generate(requests)
+    store = store_factory(capacity="64M")
+    first, second = make_tiny_engine(store=store.socket), make_tiny_engine(store=store.socket)
+    try:
+        [built] = first.generate(requests[:1])
+        rest = second.generate(requests[1:])
+    finally:
+        first.close()
+        second.close()
+    assert built.stats.recovery is not None and built.stats.recovery["master_bytes"] > 0
+    assert [o.output_ids for o in [built, *rest]] == [o.output_ids for o in one]
+    for got, want in zip(rest, one[1:], strict=True):
+        report, expected = got.stats.recovery, want.stats.recovery
+        assert report is not None and expected is not None
+        assert report["master_bytes"] == 0  # B built none: it mirrored A's
+        assert report["reused_tokens"] == expected["reused_tokens"] > 0
+
+
+def test_a_master_is_shared_only_within_its_tenant(make_tiny_engine, store_factory):
+    spec = RecoverySpec(policy="none", gate=None, round=ROUND)
+    store = store_factory(capacity="64M")
+    first, second = make_tiny_engine(store=store.socket), make_tiny_engine(store=store.socket)
+    try:
+        first.generate([sibling(0, "ab", spec)])
+        [other] = second.generate([sibling(1, "ba", spec, salt="kmesh-approx:another")])
+    finally:
+        first.close()
+        second.close()
+    report = other.stats.recovery
+    assert report is not None and report["master_bytes"] > 0 and report["reused_tokens"] == 0

@@ -34,6 +34,8 @@ from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
 from kmesh.state.request_meta import recovery_refusal
+from kmesh.store import TenantClients
+from kmesh.store.group_state import StoreMasters
 
 # How long a step waits when every waiting request waits for another engine's blocks.
 STORE_POLL_S = 0.02
@@ -98,7 +100,12 @@ class Engine:
             num_blocks, block_size, model_fingerprint, prefix_caching, self.store
         )
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_seqs)
-        self.runner = ModelRunner(executor, self.cache, model_fingerprint, recovery_bytes)
+        # Rounds' masters shared with the other engines on the store.
+        self._store_clients = None if store is None else TenantClients(store)
+        masters = None
+        if self._store_clients is not None:
+            masters = StoreMasters(self._store_clients, model_fingerprint, self.config)
+        self.runner = ModelRunner(executor, self.cache, model_fingerprint, recovery_bytes, masters)
         self.families = FamilyRegistry()
         self.counters = EngineCounters()
         # Outputs of requests that ended since the last step() returned.
@@ -116,6 +123,8 @@ class Engine:
         """Close the store connections, if any (they reopen on the next use)."""
         if self.store is not None:
             self.store.close()
+        if self._store_clients is not None:
+            self._store_clients.close()
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -10,7 +10,12 @@ from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RecoveredRows, RequestRecovery
+from kmesh.recovery.requests import (
+    DEFAULT_RECOVERY_BYTES,
+    RecoveredRows,
+    RequestRecovery,
+    SharedMasters,
+)
 
 
 class ModelRunner:
@@ -20,11 +25,12 @@ class ModelRunner:
         cache: PagedKVCache,
         fingerprint: str,
         recovery_bytes: int = DEFAULT_RECOVERY_BYTES,
+        shared_masters: SharedMasters | None = None,
     ) -> None:
         self.executor = executor
         self.cache = cache
         self.recovery = RequestRecovery(
-            executor, fingerprint, recovery_bytes, page_size=cache.block_size
+            executor, fingerprint, recovery_bytes, cache.block_size, shared_masters
         )
 
     def step(self, batch: ScheduledBatch) -> torch.Tensor:

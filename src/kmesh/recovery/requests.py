@@ -33,10 +33,16 @@ What a RequestRecovery keeps (stored segments, masters, common contexts) is boun
 `max_bytes`, least recently used dropped first: a dropped segment is computed again by its next
 reader, a dropped master rebuilt by the round's next sibling, a dropped common context restarted
 from the family's leading shared segments.
+
+With `shared_masters` (the store: kmesh/store/group_state.py::StoreMasters), a round's master
+is shared beyond this engine: one it builds is published, and a round whose master it lacks
+looks there first, so the siblings of a round spread over several engines (vLLM instances,
+reference engines) mirror the one master the first of them built, as if they ran on one.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -68,6 +74,17 @@ class RecoveredRows:
 Writer = Callable[[RecoveryJob, RecoveredRows], None]
 
 
+class SharedMasters(Protocol):
+    """Rounds' masters shared beyond one engine, by round and the round's segments' tokens (in
+    its canonical order); `master_choice` tells masters built differently apart."""
+
+    def get(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> Master | None: ...
+
+    def put(
+        self, key: RoundKey, master_choice: str, tokens: Sequence[int], master: Master
+    ) -> None: ...
+
+
 class RequestRecovery:
     """Holds the executor, the stored segment KV and the rounds' masters of one engine."""
 
@@ -77,10 +94,13 @@ class RequestRecovery:
         fingerprint: str,
         max_bytes: int = DEFAULT_RECOVERY_BYTES,
         page_size: int | None = None,
+        shared_masters: SharedMasters | None = None,
     ) -> None:
         """`page_size`: the engine's prefix-cache page in tokens, to keep prompts' tails past
-        whole pages (prefix_tails.py); None keeps none."""
+        whole pages (prefix_tails.py); None keeps none. `shared_masters`: see the module
+        docstring (None: this engine's masters are its own)."""
         self.executor = executor
+        self.shared_masters = shared_masters
         self.fingerprint = fingerprint
         self.ledger = Ledger(max_bytes)
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
@@ -168,17 +188,25 @@ class RequestRecovery:
         assert round_ is not None
         master = self._masters.get(key)
         shared_cost = 0.0
+        ids = jobs[0].token_ids
+        tokens = [t for span in jobs[0].round_spans() for t in ids[span.start : span.end]]
         if master is not None:
             self.ledger.touch(HeldMaster(key))
-        elif round_.master == "common":
+        elif self.shared_masters is not None:
+            master = self.shared_masters.get(key, round_.master, tokens)
+            if master is not None:
+                self._keep_master(key, master)
+        if master is None and round_.master == "common":
             master, shared_cost = self._commons.master(key.tenant, key.family, jobs[0])
             self._keep_master(key, master)
+            self._share(key, round_.master, tokens, master)
         siblings = [
             self._sibling(job, pages, master is None and i == 0) for i, job in enumerate(jobs)
         ]
         result = recover_round(self.executor, siblings, self._config(jobs[0]), MASTER_BLOCK, master)
         if result.built:
             self._keep_master(key, result.master)
+            self._share(key, round_.master, tokens, result.master)
         built = result.built or shared_cost > 0
         outcomes = {}
         for i, (job, out) in enumerate(zip(jobs, result.siblings, strict=True)):
@@ -214,6 +242,10 @@ class RequestRecovery:
     def _keep_master(self, key: RoundKey, master: Master) -> None:
         self._masters[key] = master
         self._hold(HeldMaster(key), master.nbytes)
+
+    def _share(self, key: RoundKey, choice: str, tokens: list[int], master: Master) -> None:
+        if self.shared_masters is not None:
+            self.shared_masters.put(key, choice, tokens, master)
 
     # -- shared pieces ---------------------------------------------------------------------
 

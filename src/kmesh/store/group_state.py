@@ -9,7 +9,9 @@ rows [start, end) of that transcript, keyed like exact blocks through their pare
 - a mirrored piece holds the rows a round's master holds as mirrors (kv/master_mirror.py: the
   member's order and start, a block table, the block-sparse diff of the blocks its recovery
   recomputed) and the master's key; rows no mirror covers are dense in it.
-Masters are entries of their own, one per round, read by every member's mirrored pieces.
+Masters are entries of their own, one per round, read by every member's mirrored pieces, and by
+engines that recover a round's siblings (`StoreMasters`: a round spread over several engines
+mirrors the master the first of them built).
 
 `restore` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate, scatter the
 diff) for each mirror, and the dense rows placed; it checks the rows against the SHA-256 the
@@ -21,6 +23,7 @@ An entry's payload is self-describing: a little-endian u32 header length, a Mess
 another. Entries name other entries only by key: any engine attached to the store restores them.
 """
 
+import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,10 +34,14 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.kv.master_mirror import Master, Mirror, kv_digest, restore
+from kmesh.recovery.jobs import RoundKey
+from kmesh.state.keys import KeyNamespace, segment_key
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
+from kmesh.store.tenant_clients import TenantClients
 from kmesh.store.tensors import segment_tensor, write_tensors
 
+log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
 # (size in bytes, the tensors in order, the header bytes before them)
 Payload = tuple[int, list[torch.Tensor], bytes]
@@ -268,3 +275,42 @@ def _tensors(data: memoryview, offset: int, described: list[Any]) -> dict[str, t
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class StoreMasters:
+    """Rounds' masters shared through the store (recovery/requests.py::SharedMasters): one an
+    engine builds is published under its tenant, one it lacks is read from there. Every store
+    failure is a miss: the engine builds its own."""
+
+    def __init__(self, clients: TenantClients, fingerprint: str, config: ModelConfig) -> None:
+        self.clients = clients
+        self.fingerprint = fingerprint
+        self.config = config
+
+    def get(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> Master | None:
+        client = self.clients(key.tenant)
+        entry_key = self._key(key, master_choice, tokens)
+        try:
+            got = client.acquire([entry_key])
+            client.abandon(got.lead)
+            if not got.hits:
+                return None
+            with client.read(got.hits[0]) as entry:
+                return read_master(entry.data, self.config)
+        except StoreError as error:
+            log.info("kmesh: round %s's master not read from the store: %s", key.round_id, error)
+            return None
+
+    def put(self, key: RoundKey, master_choice: str, tokens: Sequence[int], master: Master) -> None:
+        client = self.clients(key.tenant)
+        entry_key = self._key(key, master_choice, tokens)
+        try:
+            if client.acquire([entry_key]).lead:
+                publish(client, entry_key, master_payload(master))
+        except StoreError as error:
+            log.info("kmesh: round %s's master not published: %s", key.round_id, error)
+
+    def _key(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> bytes:
+        namespace = KeyNamespace(self.fingerprint, tenant_salt=key.tenant)
+        context = f"round-master/{master_choice}/{key.family}/{key.round_id}"
+        return segment_key(namespace, tokens, context)

@@ -22,6 +22,7 @@ from kmesh.kv.block_pool import blocks_for
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.recovery.requests import RecoveredRows, RequestRecovery
 from kmesh.store import StoreError, TenantClients
+from kmesh.store.group_state import StoreMasters
 from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.tensors import segment_tensor, write_tensors
 from kmesh.vllm.layout import BlockLayout
@@ -107,6 +108,12 @@ class WorkerSide:
         return kept
 
     def attach_recovery(self, recovery: RequestRecovery) -> None:
+        """Recovery on vLLM's model; with a store, rounds' masters are shared through it."""
+        if self.store is not None:
+            executor = recovery.executor
+            recovery.shared_masters = StoreMasters(
+                self._client, recovery.fingerprint, executor.config
+            )
         self._recovery = recovery
 
     def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:
