@@ -223,19 +223,20 @@ def _vllm_process(spec: dict[str, Any], stem: Path) -> dict[str, Any]:
             )
         except subprocess.TimeoutExpired:
             return {"error": f"did not finish in {VLLM_TIMEOUT_S} s"}
+    cause = _root_cause(log_path.read_text())
     if not result_path.is_file():
-        return {"error": f"ended without a result ({_root_cause(log_path.read_text())})"}
+        return {"error": f"ended without a result: {cause or 'no error in its log'}"}
     result: dict[str, Any] = json.loads(result_path.read_text())
     if "error" in result:
-        return {"error": f"{_root_cause(log_path.read_text())} ({result['error']})"}
+        return {"error": result["error"] if cause is None else f"{cause} ({result['error']})"}
     result["connector"] = spec["connector"]
     return result
 
 
-def _root_cause(log: str) -> str:
-    """The first error vLLM's processes logged (what failed first), or the last line."""
+def _root_cause(log: str) -> str | None:
+    """The first error vLLM's processes logged (what failed first), if any."""
     found = ROOT_CAUSE.search(log)
-    return found.group(0) if found else log.strip().splitlines()[-1][-300:]
+    return found.group(0) if found else None
 
 
 def _kmesh(
@@ -302,10 +303,15 @@ def _trace(path: Path) -> list[list[Any]]:
 
 def _max_model_len(cfg: CapacityConfig) -> int:
     """Room for the longest prompt and its answer, in whole pages, up to the model's 8192:
-    a system prompt and persona (< 160 tokens), every earlier round's outputs with their
-    headers (< output_tokens + 16 each), the instruction and the answer."""
-    tokens = 160 + (cfg.rounds - 1) * max(cfg.agents) * (cfg.output_tokens + 16)
-    tokens += 64 + cfg.output_tokens
+    a system prompt and persona or task (< 160 tokens), what every earlier round appended (the
+    council: every output with its header, < output_tokens + 16 each; a trajectory: a step and
+    a tool result with their framing, < output_tokens + tool_tokens + 64), the instruction and
+    the answer."""
+    if cfg.workload == "trajectory":
+        appended = cfg.output_tokens + cfg.tool_tokens + 64
+    else:
+        appended = max(cfg.agents) * (cfg.output_tokens + 16)
+    tokens = 160 + (cfg.rounds - 1) * appended + 64 + cfg.output_tokens
     return min(8192, -(-tokens // VLLM_PAGE) * VLLM_PAGE)
 
 

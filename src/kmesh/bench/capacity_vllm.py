@@ -69,7 +69,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         cfg, council = workload(spec, agents, tokenizer)
         llm.reset_prefix_cache()
         rounds, turns = [], []
-        for _ in range(cfg.rounds):
+        for _ in range(spec["rounds"]):
             prompts = council.prompts()
             inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
             started = time.perf_counter()
