@@ -41,7 +41,7 @@ def test_mirrored_transcripts_restore_bit_identically_in_fewer_bytes_than_dense(
     assert [s.round_computed for s in mirror] == [s.round_computed for s in dense]
     assert mirror[-1].transcript_bytes < dense[-1].transcript_bytes / 1.5
     assert mirror[-1].held_bytes < dense[-1].held_bytes / 1.5
-    assert mirror[-1].mirror_bytes < mirror[-1].transcript_bytes  # masters counted once
+    assert mirror[-1].own_bytes < mirror[-1].transcript_bytes  # masters counted once
 
 
 def test_future_use_retention_loses_less_than_lru_in_a_store_too_small(tiny, rounds, store_factory):

@@ -288,7 +288,7 @@ def _kmesh(
         "store_bytes": capacity,
         "bytes_per_agent": last.held_bytes / len(turns[0]),
         "transcript_bytes_per_agent": last.transcript_bytes,
-        "own_bytes_per_agent": last.mirror_bytes,
+        "own_bytes_per_agent": last.own_bytes,
         "transcript_bytes_per_agent_per_round": [s.transcript_bytes for s in stats],
         "bytes_restored": sum(s.bytes_restored for s in stats),
     }

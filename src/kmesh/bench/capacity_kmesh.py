@@ -9,7 +9,7 @@ One run replays one trace (workloads/allgather.py) with the reference executor, 
    (exact prefill after what was restored) and published again as dense pieces. A store that
    is gone is used no more: every transcript is computed.
 2. the round: recovery/collective.py, the master from the first member (computed exactly), the
-   others mirrored from it (their corrections by `agent_ratio`), the instruction computed.
+   others mirrored from it (corrected as `recovery` says), the instruction computed.
 3. publish: each member's new piece (the round's outputs in its prompt), declared for its next
    use, and the round's master once.
 
@@ -25,7 +25,7 @@ Accounting: computed tokens are token-layers / layers, split into what the round
 (`round_computed`) and what lost pieces cost (`recomputed`); seconds are wall time of restore,
 recovery and recompute; `bytes_restored` is what restores read (pieces and masters); `held_bytes`
 the store's bytes after the round; `transcript_bytes` a member's transcript in this layout with
-the trunk and masters counted once over all members (`mirror_bytes`: its own pieces only).
+the trunk and masters counted once over all members (`own_bytes`: its own pieces only).
 """
 
 import time
@@ -71,7 +71,7 @@ class RoundStats:
     restore_mismatches: int = 0  # pieces whose restore was not (recomputed instead)
     held_bytes: int = 0
     transcript_bytes: float = 0.0  # per member
-    mirror_bytes: float = 0.0  # per member
+    own_bytes: float = 0.0  # per member: its own pieces, nothing shared
 
 
 @dataclass(slots=True)
@@ -157,8 +157,8 @@ class GroupStateRun:
                 stats.held_bytes = self.client.stats()["used"]
             except StoreError as error:
                 self._failed(error, stats)
-        stats.mirror_bytes = sum(sum(m.own_bytes) for m in self.members) / self.agents
-        stats.transcript_bytes = stats.mirror_bytes + self._shared_bytes / self.agents
+        stats.own_bytes = sum(sum(m.own_bytes) for m in self.members) / self.agents
+        stats.transcript_bytes = stats.own_bytes + self._shared_bytes / self.agents
         return stats
 
     def _first_round(self, turn: AgentTurn, stats: RoundStats) -> Piece:
