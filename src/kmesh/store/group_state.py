@@ -13,10 +13,11 @@ Masters are entries of their own, one per round, read by every member's mirrored
 engines that recover a round's siblings (`StoreMasters`: a round spread over several engines
 mirrors the master the first of them built).
 
-`restore` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate, scatter the
-diff) for each mirror, and the dense rows placed; it checks the rows against the SHA-256 the
-piece was published with, so what comes back is bit-identical to what was stored or refused
-(`PieceMismatch`). Entries also carry the store's CRC-32 (a corrupted byte is dropped on read).
+`restore_piece` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate,
+scatter the diff) for each mirror, and the dense rows placed; it checks the rows against the
+SHA-256 the piece was published with, so what comes back is bit-identical to what was stored or
+refused (`PieceMismatch`). Entries also carry the store's CRC-32: a corrupted entry is dropped
+when read.
 
 An entry's payload is self-describing: a little-endian u32 header length, a MessagePack header
 (the scalars, and each tensor's name, dtype and shape), then the tensors' bytes one after
