@@ -14,22 +14,31 @@ from tests.conftest import random_tokens
 GREEDY = SamplingParams(max_tokens=8)
 SALT = "kmesh-approx:test"
 SYSTEM = random_tokens(20, seed=1)
-OUTPUTS = {"a": random_tokens(24, seed=2), "b": random_tokens(30, seed=3)}
+OUTPUTS = {
+    "a": random_tokens(24, seed=2),
+    "b": random_tokens(30, seed=3),
+    "c": random_tokens(19, seed=8),
+    "d": random_tokens(26, seed=9),
+}
 ASK = random_tokens(5, seed=4)
 PRIVATE = {0: random_tokens(6, seed=5), 1: random_tokens(11, seed=6), 2: random_tokens(3, seed=7)}
 
 
-def sibling(agent: int, order: str, spec: RecoverySpec, salt: str | None = SALT) -> Request:
+def sibling(
+    agent: int, order: str, spec: RecoverySpec, salt: str | None = SALT, then: str = ""
+) -> Request:
+    """Agent's prompt: the system, its persona, the round's outputs in `order`, then (a later
+    round) the next round's outputs in `then`, and the instruction."""
     parts = [("system", "shared", SYSTEM), (f"p{agent}", "private", PRIVATE[agent])]
-    parts += [(name, "shared", OUTPUTS[name]) for name in order]
-    parts.append(("ask", "instruction", ASK))
+    parts += [(name, "shared", OUTPUTS[name]) for name in order + then]
+    parts.append((f"ask{len(then)}", "instruction", ASK))
     ids: list[int] = []
     spans = []
     for name, role, tokens in parts:
         spans.append(Span(len(ids), len(ids) + len(tokens), Role(role), name))
         ids.extend(tokens)
     recovery = RecoveryRequest(tuple(spans), spec, "council")
-    return Request(f"agent-{agent}", tuple(ids), GREEDY, salt, recovery=recovery)
+    return Request(f"agent-{agent}-{then}", tuple(ids), GREEDY, salt, recovery=recovery)
 
 
 def plain(request: Request, salt: str | None = None) -> Request:
@@ -192,3 +201,36 @@ def test_a_master_is_shared_only_within_its_tenant(make_tiny_engine, store_facto
         second.close()
     report = other.stats.recovery
     assert report is not None and report["master_bytes"] > 0 and report["reused_tokens"] == 0
+
+
+def test_a_transcript_recovered_on_one_engine_is_restored_on_another_with_its_greedy_tokens(
+    make_tiny_engine, store_factory
+):
+    """Engine A runs round 1, then agent 1's round 2 (publishing each transcript); engine B, a
+    fresh engine on the same store, runs agent 1's round 2 again: it restores the transcript
+    instead of recovering it, and its greedy tokens are A's. Another tenant restores nothing."""
+    first_round = RecoverySpec(policy="none", gate=None, round=ROUND)
+    second_round = RecoverySpec(
+        policy="none", gate=None, round=RoundSpec(id="r2", segments=["c", "d"])
+    )
+    store = store_factory(capacity="64M")
+    first, second = make_tiny_engine(store=store.socket), make_tiny_engine(store=store.socket)
+    try:
+        first.generate([sibling(0, "ab", first_round), sibling(1, "ba", first_round)])
+        [on_first] = first.generate([sibling(1, "ba", second_round, then="cd")])
+        [on_second] = second.generate([sibling(1, "ba", second_round, then="cd")])
+        elsewhere = sibling(1, "ba", second_round, salt="kmesh-approx:another", then="cd")
+        [other] = second.generate([elsewhere])
+    finally:
+        first.close()
+        second.close()
+    assert on_second.output_ids == on_first.output_ids
+    report = on_second.stats.recovery
+    assert report is not None and on_second.stats.reused_tokens == 0
+    # Everything before its instruction comes from the store (whole blocks through the block
+    # store, the transcript's rows past them through its pieces); it computes the instruction.
+    instruction = len(on_second.prompt_ids) - len(ASK)
+    assert report["restored_tokens"] > 0 and report["restored_bytes"] > 0
+    assert on_second.stats.restored_tokens + report["restored_tokens"] == instruction
+    assert report["computed_tokens"] == len(ASK) - 1
+    assert other.stats.recovery is not None and other.stats.recovery["restored_tokens"] == 0

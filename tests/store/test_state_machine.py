@@ -14,7 +14,9 @@ from kmesh.store.protocol import (
     Commit,
     Done,
     Error,
+    Found,
     Hello,
+    Lookup,
     Refused,
     Reserve,
     Reserved,
@@ -75,6 +77,21 @@ def test_a_waiter_follows_the_leader_down_the_chain(store):
     out = _publish(store, leader, keys[1])
     [answer] = [answer for session, answer in out if session is waiter]
     assert isinstance(answer, Acquired) and len(answer.hits) == 2 and answer.lead == 0
+
+
+def test_a_lookup_names_the_published_keys_each_on_its_own_and_claims_none(store):
+    keys = chain(3, seed=5)
+    writer, prober, other = store.open(), store.open(), store.open()
+    _acquire(store, writer, [keys[1]])
+    _publish(store, writer, keys[1])
+    [(_, found)] = store.handle(prober, Lookup(keys, tenant=None), 0.0)
+    assert found == Found(present=[1])  # keys[0] missing does not hide keys[1]
+    [(_, found)] = store.handle(prober, Lookup(keys, tenant="another"), 0.0)
+    assert found == Found(present=[])  # another tenant's namespace
+    # Nothing claimed: another client leads the missing keys at once, no wait.
+    [(_, led)] = _acquire(store, other, [keys[0]])
+    assert led == Acquired(lead=1, lease=LEASE)
+    assert _stats(store).claims == 1
 
 
 def test_a_wait_that_runs_out_answers_wait_and_a_lease_that_runs_out_promotes(store):

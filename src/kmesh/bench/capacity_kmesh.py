@@ -46,10 +46,10 @@ from kmesh.store.group_state import (
     Payload,
     Piece,
     PieceMismatch,
+    fetch_master,
     master_payload,
     piece_payload,
     publish,
-    read_master,
     read_piece,
     restore_piece,
 )
@@ -268,14 +268,11 @@ class GroupStateRun:
         return Transcript(tokens, torch.cat(ks, dim=1), torch.cat(vs, dim=1))
 
     def _read_master(self, key: bytes, stats: RoundStats) -> Master:
-        got = self.client.acquire([key])
-        self.client.abandon(got.lead)
-        if not got.hits:
+        read = fetch_master(self.client, key, self.executor.config)
+        if read is None:
             raise StoreError("the round's master is gone")
-        with self.client.read(got.hits[0]) as entry:
-            master = read_master(entry.data, self.executor.config)
-        stats.bytes_restored += got.hits[0].size
-        return master
+        stats.bytes_restored += read[1]
+        return read[0]
 
     def _recompute(
         self, member: _Member, ks: list[torch.Tensor], vs: list[torch.Tensor], stats: RoundStats

@@ -15,6 +15,7 @@ from kmesh.recovery.requests import (
     RecoveredRows,
     RequestRecovery,
     SharedMasters,
+    SharedTranscripts,
 )
 
 
@@ -26,11 +27,12 @@ class ModelRunner:
         fingerprint: str,
         recovery_bytes: int = DEFAULT_RECOVERY_BYTES,
         shared_masters: SharedMasters | None = None,
+        transcripts: SharedTranscripts | None = None,
     ) -> None:
         self.executor = executor
         self.cache = cache
         self.recovery = RequestRecovery(
-            executor, fingerprint, recovery_bytes, cache.block_size, shared_masters
+            executor, fingerprint, recovery_bytes, cache.block_size, shared_masters, transcripts
         )
 
     def step(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from kmesh.errors import InvalidRequestError
+from kmesh.kv.master_mirror import Master, Mirror
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.state.segments import Span
 
@@ -59,6 +60,19 @@ class RoundKey:
     round_id: str
 
 
+@dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
+class RoundMirrors:
+    """A round job's mirrors of its round's master (kmesh/kv/master_mirror.py): its rows of the
+    round's segments as the master's, placed and corrected; what shares them beyond the engine
+    names the master by round, how it was built and its segments' tokens."""
+
+    round: RoundKey
+    master_choice: str
+    tokens: tuple[int, ...]  # the round's segments' tokens, in canonical order
+    master: Master
+    mirrors: tuple[Mirror, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class RecoveryReport:
     """What recovering one request cost and how far it was from exact."""
@@ -72,6 +86,10 @@ class RecoveryReport:
     fell_back: bool  # the gate sent the claimed tokens back to the engine's own prefill
     # claimed rows taken as they were from a kept tail continuing the prefix (prefix_tails.py)
     tail_tokens: int = 0
+    # claimed rows restored from the store: the transcript another job published
+    # (kmesh/store/transcripts.py), and the bytes read for them
+    restored_tokens: int = 0
+    restored_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,11 +38,18 @@ With `shared_masters` (the store: kmesh/store/group_state.py::StoreMasters), a r
 is shared beyond this engine: one it builds is published, and a round whose master it lacks
 looks there first, so the siblings of a round spread over several engines (vLLM instances,
 reference engines) mirror the one master the first of them built, as if they ran on one.
+
+With `transcripts` (the store: kmesh/store/transcripts.py::StoreTranscripts), a job with segments
+first restores the rows of its transcript the store holds past its start (published by an earlier
+job of any engine: the same rows, bit for bit) and recovers only the rest; once its rows are
+written, it publishes its own transcript's new rows (its mirrors of the round's master where they
+give those rows back). A kept tail reaching as far wins (no read): a member's tail and its piece
+are the same rows, both kept from the job that recovered them.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -50,11 +57,20 @@ from kmesh.compute.executor import DenseKV, Executor
 from kmesh.kv.master_mirror import Master
 from kmesh.recovery.collective import MASTER_BLOCK, SiblingInput, blank_kv, recover_round
 from kmesh.recovery.common_master import CommonMasters
-from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RecoveryReport, RoundKey
+from kmesh.recovery.jobs import (
+    PrefixReader,
+    RecoveryJob,
+    RecoveryReport,
+    RoundKey,
+    RoundMirrors,
+)
 from kmesh.recovery.ledger import Held, HeldMaster, HeldSegment, HeldTail, Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.recovery.segment_store import Placed, SegmentStore
+
+if TYPE_CHECKING:
+    from kmesh.store.transcripts import Chain, Restored
 
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
@@ -68,6 +84,7 @@ class RecoveredRows:
     # Rows [start, end) to write, None when the gate left them to the engine's own prefill.
     k: torch.Tensor | None
     v: torch.Tensor | None
+    mirrors: RoundMirrors | None = None  # a round job's, for publishing its transcript
 
 
 # Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
@@ -85,6 +102,16 @@ class SharedMasters(Protocol):
     ) -> None: ...
 
 
+class SharedTranscripts(Protocol):
+    """Jobs' transcripts shared beyond one engine (see the module docstring)."""
+
+    def restore(self, job: RecoveryJob, have: int) -> "Restored": ...
+
+    def publish(
+        self, job: RecoveryJob, chain: "Chain", pages: PrefixReader, mirrors: RoundMirrors | None
+    ) -> None: ...
+
+
 class RequestRecovery:
     """Holds the executor, the stored segment KV and the rounds' masters of one engine."""
 
@@ -95,12 +122,14 @@ class RequestRecovery:
         max_bytes: int = DEFAULT_RECOVERY_BYTES,
         page_size: int | None = None,
         shared_masters: SharedMasters | None = None,
+        transcripts: SharedTranscripts | None = None,
     ) -> None:
         """`page_size`: the engine's prefix-cache page in tokens, to keep prompts' tails past
-        whole pages (prefix_tails.py); None keeps none. `shared_masters`: see the module
-        docstring (None: this engine's masters are its own)."""
+        whole pages (prefix_tails.py); None keeps none. `shared_masters`, `transcripts`: see
+        the module docstring (None: this engine's masters and transcripts are its own)."""
         self.executor = executor
         self.shared_masters = shared_masters
+        self.transcripts = transcripts
         self.fingerprint = fingerprint
         self.ledger = Ledger(max_bytes)
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
@@ -114,32 +143,44 @@ class RequestRecovery:
         """Recover one step's jobs: per-request ones in order (each may store segments and
         tails the next reuses), each round's siblings together. Each outcome goes to `write`
         before a later job is recovered (a later job of the step may read its rows as prefix:
-        an engine's prefix cache can hand it pages this step fills). A job whose prefix a kept
-        tail continues starts after it (the tail's rows are written as they are)."""
+        an engine's prefix cache can hand it pages this step fills), then its transcript is
+        published. A job whose prefix a restored transcript or a kept tail continues starts
+        after it (those rows are written as they are)."""
         outcomes: dict[str, RecoveredRows] = {}
         rounds: dict[RoundKey, list[RecoveryJob]] = {}
+        restored: dict[str, Restored] = {}
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
                 tails = TailPages(pages)
-                continued = self._continued(job, tails)
+                continued = self._continued(job, tails, restored)
                 outcome = self._per_request(continued, tails)
-                outcomes[job.request_id] = self._finish(job, outcome, tails)
-                write(job, outcomes[job.request_id])
+                outcomes[job.request_id] = self._finish(job, outcome, tails, restored)
+                self._write(job, outcomes[job.request_id], pages, write, restored)
             else:
                 rounds.setdefault(RoundKey(job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
             tails = TailPages(pages)
-            done = self._round(key, [self._continued(job, tails) for job in siblings], tails)
+            resumed = [self._continued(job, tails, restored) for job in siblings]
+            done = self._round(key, resumed, tails)
             for job in siblings:
-                outcomes[job.request_id] = self._finish(job, done[job.request_id], tails)
-                write(job, outcomes[job.request_id])
+                outcomes[job.request_id] = self._finish(job, done[job.request_id], tails, restored)
+                self._write(job, outcomes[job.request_id], pages, write, restored)
         return outcomes
 
-    def _continued(self, job: RecoveryJob, tails: TailPages) -> RecoveryJob:
-        """The job after the longest kept tail its prefix continues, the tail handed to
-        `tails` (which then serves its rows as prefix); the job itself without one."""
+    def _continued(
+        self, job: RecoveryJob, tails: TailPages, restored: dict[str, "Restored"]
+    ) -> RecoveryJob:
+        """The job after the kept tail its prefix continues or, reaching further, its
+        transcript's rows restored from the store (filed in `restored`), those rows handed to
+        `tails` (which then serves them as prefix); the job itself without either."""
         found = None if self.tails is None else self.tails.find(job)
+        if self.transcripts is not None and job.spans:
+            have = job.start if found is None else found[0]
+            got = restored[job.request_id] = self.transcripts.restore(job, have)
+            if got.k is not None and got.v is not None and got.chain.end > have:
+                tails.add(job, (got.k, got.v))
+                return replace(job, start=got.chain.end)
         if found is None:
             return job
         end, rows = found
@@ -147,20 +188,46 @@ class RequestRecovery:
         tails.add(job, rows)
         return replace(job, start=end)
 
-    def _finish(self, job: RecoveryJob, outcome: RecoveredRows, tails: TailPages) -> RecoveredRows:
-        """The outcome over the job's whole claim (a used tail's rows first), its tails kept."""
+    def _finish(
+        self,
+        job: RecoveryJob,
+        outcome: RecoveredRows,
+        tails: TailPages,
+        restored: dict[str, "Restored"],
+    ) -> RecoveredRows:
+        """The outcome over the job's whole claim (restored or tail rows first), its tails
+        kept."""
         tail = tails.of(job)
         if tail is not None:
-            report = replace(outcome.report, tail_tokens=tail[0].shape[1])
+            n = tail[0].shape[1]
+            got = restored.get(job.request_id)
+            if got is not None and got.k is tail[0]:
+                report = replace(outcome.report, restored_tokens=n, restored_bytes=got.nbytes)
+            else:
+                report = replace(outcome.report, tail_tokens=n)
             if outcome.k is None or outcome.v is None:
                 return RecoveredRows(report, None, None)
             k = torch.cat((tail[0], outcome.k), dim=1)
             v = torch.cat((tail[1], outcome.v), dim=1)
-            outcome = RecoveredRows(report, k, v)
+            outcome = RecoveredRows(report, k, v, outcome.mirrors)
         if self.tails is not None and outcome.k is not None and outcome.v is not None:
             for prefix, nbytes in self.tails.keep(job, outcome.k, outcome.v):
                 self._hold(HeldTail(job.tenant, prefix), nbytes)
         return outcome
+
+    def _write(
+        self,
+        job: RecoveryJob,
+        outcome: RecoveredRows,
+        pages: PrefixReader,
+        write: Writer,
+        restored: dict[str, "Restored"],
+    ) -> None:
+        """Hand the outcome to the engine, then publish the job's transcript from its pages."""
+        write(job, outcome)
+        got = restored.get(job.request_id)
+        if self.transcripts is not None and got is not None and outcome.k is not None:
+            self.transcripts.publish(job, got.chain, pages, outcome.mirrors)
 
     # -- per request -----------------------------------------------------------------------
 
@@ -221,9 +288,12 @@ class RequestRecovery:
                 fell_back=out.recovered.fell_back,
             )
             rows = job.end - job.start  # a master sibling may have computed more, to hold it
-            k = None if out.recovered.fell_back else out.recovered.k[:, :rows]
-            v = None if out.recovered.fell_back else out.recovered.v[:, :rows]
-            outcomes[job.request_id] = RecoveredRows(report, k, v)
+            if out.recovered.fell_back:
+                outcomes[job.request_id] = RecoveredRows(report, None, None)
+                continue
+            mirrors = RoundMirrors(key, round_.master, tuple(tokens), result.master, out.mirrors)
+            k, v = out.recovered.k[:, :rows], out.recovered.v[:, :rows]
+            outcomes[job.request_id] = RecoveredRows(report, k, v, mirrors)
         return outcomes
 
     def _sibling(self, job: RecoveryJob, pages: PrefixReader, holds_master: bool) -> SiblingInput:

@@ -52,7 +52,9 @@ from kmesh.store.protocol import (
     Done,
     Drop,
     Error,
+    Found,
     Hello,
+    Lookup,
     Pin,
     Ping,
     ProtocolError,
@@ -163,6 +165,14 @@ class StoreClient:
         if not 0 <= timeout <= MAX_WAIT_S:
             raise ValueError(f"timeout must be within 0..{MAX_WAIT_S} seconds, got {timeout}")
         return self._acquire(keys, timeout, family)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The indices in `keys` of the published ones, each looked up on its own (a probe of
+        candidate keys); claims, pins and waits for nothing."""
+        answer = self._call(Lookup(_check_keys(keys), tenant=self.tenant))
+        if not isinstance(answer, Found) or any(not 0 <= i < len(keys) for i in answer.present):
+            raise self._unexpected(answer)
+        return answer.present
 
     def read(self, hit: Hit) -> Mapped:
         """Map a hit's bytes and check them against its checksum (CRC-32, see protocol.py).

@@ -204,6 +204,16 @@ def read_piece(data: memoryview) -> Piece:
     )
 
 
+def fetch_master(client: StoreClient, key: bytes, config: ModelConfig) -> tuple[Master, int] | None:
+    """The master stored under `key` and its bytes, or None if the store lacks it."""
+    got = client.acquire([key])
+    client.abandon(got.lead)
+    if not got.hits:
+        return None
+    with client.read(got.hits[0]) as entry:
+        return read_master(entry.data, config), got.hits[0].size
+
+
 def publish(
     client: StoreClient,
     key: bytes,
@@ -290,28 +300,25 @@ class StoreMasters:
 
     def get(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> Master | None:
         client = self.clients(key.tenant)
-        entry_key = self._key(key, master_choice, tokens)
         try:
-            got = client.acquire([entry_key])
-            client.abandon(got.lead)
-            if not got.hits:
-                return None
-            with client.read(got.hits[0]) as entry:
-                return read_master(entry.data, self.config)
+            read = fetch_master(client, self.key(key, master_choice, tokens), self.config)
         except StoreError as error:
             log.info("kmesh: round %s's master not read from the store: %s", key.round_id, error)
             return None
+        return None if read is None else read[0]
 
     def put(self, key: RoundKey, master_choice: str, tokens: Sequence[int], master: Master) -> None:
         client = self.clients(key.tenant)
-        entry_key = self._key(key, master_choice, tokens)
+        entry_key = self.key(key, master_choice, tokens)
         try:
             if client.acquire([entry_key]).lead:
                 publish(client, entry_key, master_payload(master))
         except StoreError as error:
             log.info("kmesh: round %s's master not published: %s", key.round_id, error)
 
-    def _key(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> bytes:
+    def key(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> bytes:
+        """The store key of a round's master: its tenant, family, round, how it was built and
+        its segments' tokens (canonical order)."""
         namespace = KeyNamespace(self.fingerprint, tenant_salt=key.tenant)
         context = f"round-master/{master_choice}/{key.family}/{key.round_id}"
         return segment_key(namespace, tokens, context)

@@ -87,6 +87,12 @@ class Acquire(Request, frozen=True, tag="acquire"):
     family: Name | None = None
 
 
+class Lookup(Request, frozen=True, tag="lookup"):
+    """Which of `keys` are published, each on its own (not as a chain); claims nothing."""
+
+    keys: Keys
+
+
 class Reserve(Request, frozen=True, tag="reserve"):
     """The leader of `key` asks for a segment of `size` bytes to write its payload into."""
 
@@ -145,10 +151,12 @@ class Hello(Request, frozen=True, tag="hello"):
     key: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 
 
-AnyRequest = Acquire | Reserve | Commit | Abandon | Pin | CloseFamily | Drop | Stats | Ping | Hello
+AnyRequest = (
+    Acquire | Lookup | Reserve | Commit | Abandon | Pin | CloseFamily | Drop | Stats | Ping | Hello
+)
 REQUEST_OPS: Final = frozenset(
     str(t.__struct_config__.tag)
-    for t in (Acquire, Reserve, Commit, Abandon, Pin, CloseFamily, Drop, Stats, Ping, Hello)
+    for t in (Acquire, Lookup, Reserve, Commit, Abandon, Pin, CloseFamily, Drop, Stats, Ping, Hello)
 )
 
 
@@ -175,6 +183,12 @@ class Acquired(Answer, frozen=True, tag="acquired"):
     lead: int = 0
     wait: bool = False
     lease: float = 0.0
+
+
+class Found(Answer, frozen=True, tag="found"):
+    """The indices, in the request's `keys`, of the published ones."""
+
+    present: list[int] = []
 
 
 class Reserved(Answer, frozen=True, tag="reserved"):
@@ -216,7 +230,7 @@ class Error(Answer, frozen=True, tag="error"):
     message: str = ""
 
 
-AnyAnswer = Acquired | Reserved | Refused | Done | StatsInfo | Error
+AnyAnswer = Acquired | Found | Reserved | Refused | Done | StatsInfo | Error
 
 
 class _Envelope(msgspec.Struct):

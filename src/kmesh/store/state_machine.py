@@ -31,8 +31,10 @@ from kmesh.store.protocol import (
     Done,
     Drop,
     Error,
+    Found,
     Hello,
     HitInfo,
+    Lookup,
     Pin,
     Ping,
     Refused,
@@ -87,6 +89,9 @@ class Store:
                 idents = [(key, tenant) for key in keys]
                 deadline = now + request.wait
                 out += self._answers(self.flight.acquire(session, idents, request, deadline, now))
+            case Lookup(keys=keys, tenant=tenant):
+                present = [i for i, k in enumerate(keys) if self.tier.lookup((k, tenant))]
+                out.append((session, Found(present=present)))
             case Reserve(key=key, tenant=tenant, size=size):
                 out.append((session, self._reserve(session, (key, tenant), size, now, out)))
             case Commit():

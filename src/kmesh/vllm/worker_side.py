@@ -25,6 +25,7 @@ from kmesh.store import StoreError, TenantClients
 from kmesh.store.group_state import StoreMasters
 from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.tensors import segment_tensor, write_tensors
+from kmesh.store.transcripts import StoreTranscripts
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
 from kmesh.vllm.pages import Pages
@@ -108,12 +109,13 @@ class WorkerSide:
         return kept
 
     def attach_recovery(self, recovery: RequestRecovery) -> None:
-        """Recovery on vLLM's model; with a store, rounds' masters are shared through it."""
+        """Recovery on vLLM's model; with a store, rounds' masters and recovered transcripts
+        are shared through it."""
         if self.store is not None:
             executor = recovery.executor
-            recovery.shared_masters = StoreMasters(
-                self._client, recovery.fingerprint, executor.config
-            )
+            masters = StoreMasters(self._client, recovery.fingerprint, executor.config)
+            recovery.shared_masters = masters
+            recovery.transcripts = StoreTranscripts(masters)
         self._recovery = recovery
 
     def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:

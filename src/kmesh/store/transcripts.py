@@ -1,0 +1,245 @@
+"""Recovery jobs' transcripts through the store, for either engine (recovery/requests.py's
+SharedTranscripts): what one engine recovered, another engine (or this one, after its prefix cache
+let it go) restores instead of recovering it again.
+
+A job's transcript is its prompt up to its last segment's start: what its member's next prompt
+continues. It is held as a chain of pieces (group_state.py), each ending at one of the job's
+boundaries (recovery/prefix_tails.py::boundaries: the family trunk's end, the last segment's
+start) and keyed through the piece before it (state/keys.py::piece_key) in the job's tenant's
+namespace. So a trunk is one entry for every member, and each later job adds one piece: its new
+rows.
+
+Finding (`restore`): a job walks its chain from the prompt's first token; at each step the
+candidate ends are its own segment boundaries after the chain's end, inside its claim; one
+`lookup` names the published ones; the furthest is taken. Pieces that end after the job's start
+(its local prefix hit holds the rest) are read, with their masters, and restored
+(`restore_piece`: bit-identical to what was published, or refused); from the first piece lost
+(evicted, corrupt, refused) on, the job recovers the rows itself.
+
+Publishing (`publish`, after the job's rows are in the engine's pages): the rows from the chain's
+end to each boundary the job wrote are read back from the pages and published as one piece:
+mirrored (the job's mirrors of its round's master that lie inside it, naming the master's store
+entry: StoreMasters.key) when restoring it gives those rows back, dense otherwise. Pieces are not
+pinned: the store's retention treats them as undeclared (LRU among them).
+
+Every store failure is a miss or a piece not kept; the job computes what it lacks.
+"""
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kmesh.kv.master_mirror import Master
+from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RoundMirrors
+from kmesh.recovery.prefix_tails import boundaries
+from kmesh.state.keys import KeyNamespace, piece_key
+from kmesh.store.client import StoreClient
+from kmesh.store.errors import StoreError
+from kmesh.store.group_state import (
+    Piece,
+    PieceMismatch,
+    StoreMasters,
+    fetch_master,
+    piece_payload,
+    publish,
+    read_piece,
+    restore_piece,
+)
+from kmesh.store.protocol import MAX_KEYS
+
+log = logging.getLogger(__name__)
+# Masters read from the store kept for the next restores (a round's members read the same one).
+MASTERS_KEPT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A transcript's pieces in the store, first to last."""
+
+    keys: tuple[bytes, ...] = ()
+    ends: tuple[int, ...] = ()  # each piece's end; a piece starts where the one before ends
+
+    @property
+    def end(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def then(self, key: bytes, end: int) -> "Chain":
+        return Chain((*self.keys, key), (*self.ends, end))
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
+class Restored:
+    """What `restore` found: the chain (to publish after), and its rows after the job's start."""
+
+    chain: Chain
+    k: torch.Tensor | None  # [layers, chain.end - job.start, kv_heads, head_dim], None: no rows
+    v: torch.Tensor | None
+    nbytes: int = 0  # read from the store (pieces and masters)
+
+
+class StoreTranscripts:
+    """Jobs' transcripts in the store (see the module docstring); masters through `masters`."""
+
+    def __init__(self, masters: StoreMasters) -> None:
+        self.masters = masters
+        self.clients = masters.clients
+        self.fingerprint = masters.fingerprint
+        self.config = masters.config
+        # The masters read last, by store key: a round's members restored here read it once.
+        self._read_masters: OrderedDict[bytes, Master] = OrderedDict()
+
+    def restore(self, job: RecoveryJob, have: int) -> Restored:
+        """The job's transcript as far as the store holds it, and its rows after job.start if
+        it reaches past `have` (the engine holds the rows before that: nothing is read)."""
+        chain = Chain()
+        try:
+            chain = self._find(job)
+            if chain.end <= have:
+                return Restored(chain, None, None)
+            return self._read(job, chain)
+        except StoreError as error:
+            log.info("kmesh: transcript of %s not restored: %s", job.request_id, error)
+            return Restored(chain, None, None)
+
+    def publish(
+        self, job: RecoveryJob, chain: Chain, pages: PrefixReader, mirrors: RoundMirrors | None
+    ) -> None:
+        """Publish the job's rows from `chain`'s end to each of its boundaries it wrote (rows
+        [0, job.end) are in `pages` now)."""
+        client = self.clients(job.tenant)
+        namespace = self._namespace(job)
+        parent = chain.keys[-1] if chain.keys else None
+        start = chain.end
+        try:
+            for end in boundaries(job):
+                if end <= start or end > job.end:
+                    continue
+                key = piece_key(namespace, parent, job.token_ids[start:end])
+                if client.acquire([key]).lead:
+                    self._publish_piece(client, key, job, (start, end), pages, mirrors)
+                parent, start = key, end
+        except StoreError as error:
+            log.info("kmesh: transcript of %s not published: %s", job.request_id, error)
+
+    def _publish_piece(
+        self,
+        client: StoreClient,
+        key: bytes,
+        job: RecoveryJob,
+        rows: tuple[int, int],
+        pages: PrefixReader,
+        mirrors: RoundMirrors | None,
+    ) -> None:
+        """Publish the led `key`: the job's rows [start, end) read back from `pages`. Anything
+        but a store error while building it gives the key up and is raised as one."""
+        try:
+            k, v = pages.read(job.block_ids, torch.arange(*rows))
+            payload = piece_payload(self._piece(rows[0], k, v, mirrors))
+        except Exception as error:  # a piece is an optimisation: never fatal to the job
+            client.abandon([key])
+            raise StoreError(f"piece [{rows[0]}, {rows[1]}) not built: {error}") from None
+        publish(client, key, payload)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _namespace(self, job: RecoveryJob) -> KeyNamespace:
+        return KeyNamespace(self.fingerprint, tenant_salt=job.tenant)
+
+    def _find(self, job: RecoveryJob) -> Chain:
+        """The longest chain of published pieces ending at the job's segment boundaries."""
+        client = self.clients(job.tenant)
+        namespace = self._namespace(job)
+        ends = sorted({b for s in job.spans for b in (s.start, s.end) if 0 < b < job.end})
+        chain = Chain()
+        while True:
+            candidates = [b for b in ends if b > chain.end]
+            parent = chain.keys[-1] if chain.keys else None
+            keys = [piece_key(namespace, parent, job.token_ids[chain.end : b]) for b in candidates]
+            present: list[int] = []
+            for lo in range(0, len(keys), MAX_KEYS):
+                present += [lo + i for i in client.lookup(keys[lo : lo + MAX_KEYS])]
+            if not present:
+                return chain
+            furthest = max(present)
+            chain = chain.then(keys[furthest], candidates[furthest])
+
+    def _read(self, job: RecoveryJob, chain: Chain) -> Restored:
+        """Restore the chain's pieces that end after job.start; the chain cut before the first
+        that cannot be."""
+        client = self.clients(job.tenant)
+        first = next((i for i, end in enumerate(chain.ends) if end > job.start), len(chain.ends))
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        nbytes = 0
+        kept = first
+        for i in range(first, len(chain.keys)):
+            try:
+                (k, v), size = self._piece_rows(client, chain.keys[i])
+            except StoreError as error:  # PieceMismatch included
+                log.info("kmesh: a piece of %s's transcript is lost: %s", job.request_id, error)
+                break
+            start = chain.ends[i - 1] if i else 0
+            skip = max(0, job.start - start)
+            ks.append(k[:, skip:])
+            vs.append(v[:, skip:])
+            nbytes += size
+            kept = i + 1
+        chain = Chain(chain.keys[:kept], chain.ends[:kept])
+        if not ks:
+            return Restored(chain, None, None, nbytes)
+        return Restored(chain, torch.cat(ks, dim=1), torch.cat(vs, dim=1), nbytes)
+
+    def _piece_rows(
+        self, client: StoreClient, key: bytes
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+        """A piece's rows, checked, and the bytes read for them."""
+        got = client.acquire([key])
+        client.abandon(got.lead)
+        if not got.hits:
+            raise StoreError("the piece was evicted")
+        with client.read(got.hits[0]) as entry:
+            piece = read_piece(entry.data)
+        size = got.hits[0].size
+        master = None
+        if piece.master is not None:
+            master = self._read_masters.get(piece.master)
+            if master is None:
+                read = fetch_master(client, piece.master, self.config)
+                if read is None:
+                    raise PieceMismatch("the piece's master was evicted")
+                master, master_size = read
+                size += master_size
+                self._read_masters[piece.master] = master
+                while len(self._read_masters) > MASTERS_KEPT:
+                    self._read_masters.popitem(last=False)
+            self._read_masters.move_to_end(piece.master)
+        try:
+            return restore_piece(piece, master, self.config), size
+        except PieceMismatch:
+            if piece.master is not None:  # a master replaced since: read it again next time
+                self._read_masters.pop(piece.master, None)
+            raise
+
+    def _piece(
+        self, start: int, k: torch.Tensor, v: torch.Tensor, mirrors: RoundMirrors | None
+    ) -> Piece:
+        """Rows k, v from `start` as a piece: mirrored where the job's mirrors inside it give
+        exactly these rows back, dense otherwise."""
+        end = start + k.shape[1]
+        if mirrors is not None:
+            inside = [
+                m
+                for m in mirrors.mirrors
+                if m.positions.numel() and start <= m.positions.min() and m.positions.max() < end
+            ]
+            if inside:
+                key = self.masters.key(mirrors.round, mirrors.master_choice, mirrors.tokens)
+                piece = Piece.of(start, k, v, inside, key)
+                try:
+                    restore_piece(piece, mirrors.master, self.config)
+                    return piece
+                except PieceMismatch:
+                    log.info("kmesh: mirrors do not give the rows back; the piece is dense")
+        return Piece.of(start, k, v)

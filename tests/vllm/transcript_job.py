@@ -1,0 +1,82 @@
+"""The vLLM side of tests/vllm/test_transcripts.py, run as its own process (vLLM spawns workers):
+`python tests/vllm/transcript_job.py OUT_DIR`. Writes OUT_DIR/result.json.
+
+A council of three agents (kmesh/workloads/allgather.py, the collective strategy's requests:
+segments, a family, each round declared) on one store. Instance A runs rounds 1 and 2 of every
+agent, then agent 1's round 3; A stops. Instance B, started fresh on the same store, runs agent
+1's round 3 again, then the same prompt under another salt.
+"""
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+AGENTS = 3
+OUTPUT_TOKENS = 24
+
+
+def main(out_dir: Path) -> None:
+    from vllm import LLM, SamplingParams
+
+    from kmesh.bench.allgather_config import AllGatherBenchConfig
+    from kmesh.bench.strategy_requests import strategy_request
+    from kmesh.store.process import start_store
+    from kmesh.vllm.config import vllm_engine_kwargs
+    from kmesh.workloads.allgather import AllGatherConfig, Council
+
+    cfg = AllGatherBenchConfig(policy="none", gate=None)
+    greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS)
+    store = start_store(out_dir, capacity="1G")
+    result: dict[str, Any] = {}
+    try:
+        kwargs = vllm_engine_kwargs(store=store.socket, max_model_len=4096)
+
+        def run(llm: Any, r: int, prompts: list[Any], agents: list[int], salt: str = "") -> list:
+            requests, params = [], []
+            for a in agents:
+                turn = _turn(r, a, prompts[a])
+                name_salt, kmesh = strategy_request("collective", r, turn, cfg, AGENTS, salt)
+                requests.append({"prompt_token_ids": list(turn.prompt.token_ids)})
+                requests[-1]["cache_salt"] = name_salt
+                p = greedy.clone()
+                p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
+                params.append(p)
+            outs = llm.generate(requests, params, use_tqdm=False)
+            return [
+                {"ids": list(o.outputs[0].token_ids), **o.kv_transfer_params["kmesh"]} for o in outs
+            ]
+
+        first = LLM(**kwargs)
+        council = Council(
+            AllGatherConfig(agents=AGENTS, rounds=3, order="shuffle"), first.get_tokenizer()
+        )
+        for r in range(2):
+            prompts = council.prompts()
+            outs = run(first, r, prompts, list(range(AGENTS)))
+            result[f"round{r}"] = outs
+            council.answer(prompts, [o["ids"] for o in outs])
+        last = council.prompts()
+        result["prompt_tokens"] = len(last[1].token_ids)
+        result["instruction_tokens"] = len(last[1].segments[-1].token_ids)
+        [result["first"]] = run(first, 2, last, [1])
+        first.llm_engine.engine_core.shutdown()
+        del first
+
+        second = LLM(**kwargs)
+        [result["second"]] = run(second, 2, last, [1])
+        [result["other_salt"]] = run(second, 2, last, [1], salt=":another")
+        second.llm_engine.engine_core.shutdown()
+    finally:
+        store.stop()
+    (out_dir / "result.json").write_text(json.dumps(result))
+
+
+def _turn(r: int, agent: int, prompt: Any) -> Any:
+    from kmesh.workloads.allgather import AgentTurn
+
+    return AgentTurn(r, agent, prompt, (), "")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
