@@ -4,7 +4,8 @@ with each finished request's stats.
 
 For each waiting request, vLLM reports its local prefix-cache hit (whole blocks); after it:
 - a request asking for recovery has its rows claimed for the worker half to fill
-  (recovery_claims.py), and skips the store;
+  (recovery_claims.py), and skips the store's blocks (the worker half restores and publishes
+  its transcript instead: kmesh/store/transcripts.py);
 - an activated request's rows before its start are claimed: its base blocks load from the store
   where published, the rest the worker half computes; while another request of this engine fills
   a base block it needs, it waits a step;
