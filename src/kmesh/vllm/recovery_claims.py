@@ -1,13 +1,14 @@
 """Recovery claims of the connector's scheduler half: rows after vLLM's local hit that KMesh's
 executor fills in the worker half (kmesh/recovery/requests.py) instead of vLLM computing them.
 
-A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec)
-skips the store's blocks: its rows after the local hit, all but the prompt's last (a claim need
-not end on a block boundary; policy full claims whole blocks only), are claimed and filled by the
-worker half (from its transcript in the store where published, kmesh/store/transcripts.py), which reports what it computed; blocks it could not fill (the quality gate, no model
-attached) come back as load errors and vLLM computes them. Recovery is refused (vLLM computes the
-prompt as usual) for LoRA requests, and an approximate one without a cache_salt starting with
-APPROX_SALT_PREFIX, so approximate KV never enters another request's prefix hits.
+A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec) skips
+the store's blocks: its rows after the local hit, all but the prompt's last (a claim need not end on
+a block boundary; policy full claims whole blocks only), are claimed and filled by the worker half
+(from its transcript in the store where published, kmesh/store/transcripts.py), which reports what
+it computed; blocks it could not fill (the quality gate, no model attached) come back as load errors
+and vLLM computes them. Recovery is refused (vLLM computes the prompt as usual) for LoRA requests,
+and an approximate one without a cache_salt starting with APPROX_SALT_PREFIX, so approximate KV
+never enters another request's prefix hits.
 
 A request under an activated adapter named with its start (kmesh/vllm/activated.py) has its rows
 before that start claimed and filled with base-model KV (BASE_FILL): its store hits there load,
