@@ -1,4 +1,4 @@
-"""A second vLLM instance restores an agent's transcript from the store (issue 15, must-show 4):
+"""A second vLLM instance restores an agent's transcript from the store:
 instance A runs a council's rounds with KMeshConnector and publishes each member's transcript as
 it recovers it (kmesh/store/transcripts.py); instance B, started fresh on the same store, serves
 the member's next round from it. The engines run in one child process (transcript_job.py)."""
@@ -10,35 +10,30 @@ pytestmark = [pytest.mark.model, pytest.mark.vllm]
 JOB = "transcript_job.py"
 
 
-@pytest.fixture(scope="module")
-def result(job_result) -> dict:
-    return job_result
+def test_the_second_instance_gives_the_first_instances_greedy_tokens(job_result):
+    assert job_result["second"]["ids"] == job_result["first"]["ids"]
 
 
-def test_the_second_instance_gives_the_first_instances_greedy_tokens(result):
-    assert result["second"]["ids"] == result["first"]["ids"]
-
-
-def test_the_second_instance_restores_the_transcript_and_computes_the_instruction(result):
-    got = result["second"]
+def test_the_second_instance_restores_the_transcript_and_computes_the_instruction(job_result):
+    got = job_result["second"]
     report = got["recovery"]
     assert got["reused_tokens"] == 0  # a fresh instance: nothing in its prefix cache
     # Every row before the instruction came from the store (A's pieces, checked by digest) ...
-    before_instruction = result["prompt_tokens"] - result["instruction_tokens"]
+    before_instruction = job_result["prompt_tokens"] - job_result["instruction_tokens"]
     assert report["restored_tokens"] == before_instruction and report["restored_bytes"] > 0
     # ... so KMesh computed the instruction but its last token, which vLLM computes.
-    assert report["computed_tokens"] == result["instruction_tokens"] - 1
+    assert report["computed_tokens"] == job_result["instruction_tokens"] - 1
     assert got["computed_tokens"] == 1
 
 
-def test_the_first_instance_reads_nothing_its_own_memory_holds(result):
-    got = result["first"]
+def test_the_first_instance_reads_nothing_its_own_memory_holds(job_result):
+    got = job_result["first"]
     report = got["recovery"]
     # Its prefix cache holds the transcript's whole pages, its kept tail the rest: no read.
     assert got["reused_tokens"] > 0 and report["tail_tokens"] > 0
     assert report["restored_tokens"] == report["restored_bytes"] == 0
 
 
-def test_another_salt_restores_nothing_of_it(result):
-    report = result["other_salt"]["recovery"]
-    assert report["restored_tokens"] == 0 and result["other_salt"]["reused_tokens"] == 0
+def test_another_salt_restores_nothing_of_it(job_result):
+    report = job_result["other_salt"]["recovery"]
+    assert report["restored_tokens"] == 0 and job_result["other_salt"]["reused_tokens"] == 0

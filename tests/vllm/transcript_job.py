@@ -23,7 +23,7 @@ def main(out_dir: Path) -> None:
     from kmesh.bench.strategy_requests import strategy_request
     from kmesh.store.process import start_store
     from kmesh.vllm.config import vllm_engine_kwargs
-    from kmesh.workloads.allgather import AllGatherConfig, Council
+    from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, Council
 
     cfg = AllGatherBenchConfig(policy="none", gate=None)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS)
@@ -35,10 +35,10 @@ def main(out_dir: Path) -> None:
         def run(llm: Any, r: int, prompts: list[Any], agents: list[int], salt: str = "") -> list:
             requests, params = [], []
             for a in agents:
-                turn = _turn(r, a, prompts[a])
-                name_salt, kmesh = strategy_request("collective", r, turn, cfg, AGENTS, salt)
+                turn = AgentTurn(r, a, prompts[a], (), "")
+                cache_salt, kmesh = strategy_request("collective", r, turn, cfg, AGENTS, salt)
                 requests.append({"prompt_token_ids": list(turn.prompt.token_ids)})
-                requests[-1]["cache_salt"] = name_salt
+                requests[-1]["cache_salt"] = cache_salt
                 p = greedy.clone()
                 p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
                 params.append(p)
@@ -70,12 +70,6 @@ def main(out_dir: Path) -> None:
     finally:
         store.stop()
     (out_dir / "result.json").write_text(json.dumps(result))
-
-
-def _turn(r: int, agent: int, prompt: Any) -> Any:
-    from kmesh.workloads.allgather import AgentTurn
-
-    return AgentTurn(r, agent, prompt, (), "")
 
 
 if __name__ == "__main__":
