@@ -234,3 +234,26 @@ def test_a_transcript_recovered_on_one_engine_is_restored_on_another_with_its_gr
     assert on_second.stats.restored_tokens + report["restored_tokens"] == instruction
     assert report["computed_tokens"] == len(ASK) - 1
     assert other.stats.recovery is not None and other.stats.recovery["restored_tokens"] == 0
+
+
+def test_a_segment_one_engine_read_first_is_reused_by_another_on_the_same_store(
+    make_tiny_engine, store_factory
+):
+    """Per-request recovery: engine A computes the shared outputs as their first reader and
+    publishes them; engine B re-rotates them into its own prompt instead of computing them. A
+    cold engine, and another tenant on the same store, compute them."""
+    spec = RecoverySpec(policy="none", gate=None)
+    store = store_factory(capacity="64M")
+    first, second = make_tiny_engine(store=store.socket), make_tiny_engine(store=store.socket)
+    try:
+        first.generate([sibling(0, "ab", spec)])
+        [reader] = second.generate([sibling(1, "ba", spec)])
+        [other] = second.generate([sibling(2, "ba", spec, salt="kmesh-approx:another")])
+    finally:
+        first.close()
+        second.close()
+    [cold] = make_tiny_engine().generate([sibling(1, "ba", spec)])
+    shared = len(OUTPUTS["a"]) + len(OUTPUTS["b"])
+    for out, reused in ((reader, shared), (cold, 0), (other, 0)):
+        assert out.stats.recovery is not None
+        assert out.stats.recovery["reused_tokens"] == reused

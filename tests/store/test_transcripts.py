@@ -11,7 +11,8 @@ from kmesh.recovery.jobs import RecoveryJob, RoundKey, RoundMirrors
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 from kmesh.store import TenantClients
-from kmesh.store.group_state import StoreMasters, read_piece
+from kmesh.store.group_state import read_piece
+from kmesh.store.shared_state import StoreMasters
 from kmesh.store.transcripts import Chain, StoreTranscripts
 from tests.conftest import random_tokens
 from tests.store.helpers import corrupt_segment

@@ -473,10 +473,13 @@ class _KeptOutputs:
     def __init__(self) -> None:
         self.kept: list[tuple] = []
         self.segments = self
-        # What the worker reads to share masters through its store.
+        # What the worker reads to share state through its store.
         self.executor = SimpleNamespace(config=None)
         self.fingerprint = "f" * 64
-        self.shared_masters = None
+        self.shared = None
+
+    def share(self, shared) -> None:
+        self.shared = shared
 
     def keep_output(self, tenant, token_ids, k, v, start) -> None:
         self.kept.append((tenant, token_ids, k, v, start))

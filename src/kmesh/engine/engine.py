@@ -35,8 +35,7 @@ from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
 from kmesh.state.request_meta import recovery_refusal
 from kmesh.store import TenantClients
-from kmesh.store.group_state import StoreMasters
-from kmesh.store.transcripts import StoreTranscripts
+from kmesh.store.shared_state import shared_through
 
 # How long a step waits when every waiting request waits for another engine's blocks.
 STORE_POLL_S = 0.02
@@ -101,15 +100,12 @@ class Engine:
             num_blocks, block_size, model_fingerprint, prefix_caching, self.store
         )
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_seqs)
-        # Rounds' masters and recovered transcripts shared with the other engines on the store.
+        # What recovery shares with the other engines on the store.
         self._store_clients = None if store is None else TenantClients(store)
-        masters = transcripts = None
+        shared = None
         if self._store_clients is not None:
-            masters = StoreMasters(self._store_clients, model_fingerprint, self.config)
-            transcripts = StoreTranscripts(masters)
-        self.runner = ModelRunner(
-            executor, self.cache, model_fingerprint, recovery_bytes, masters, transcripts
-        )
+            shared = shared_through(self._store_clients, model_fingerprint, self.config)
+        self.runner = ModelRunner(executor, self.cache, model_fingerprint, recovery_bytes, shared)
         self.families = FamilyRegistry()
         self.counters = EngineCounters()
         # Outputs of requests that ended since the last step() returned.

@@ -14,8 +14,7 @@ from kmesh.recovery.requests import (
     DEFAULT_RECOVERY_BYTES,
     RecoveredRows,
     RequestRecovery,
-    SharedMasters,
-    SharedTranscripts,
+    SharedState,
 )
 
 
@@ -26,13 +25,12 @@ class ModelRunner:
         cache: PagedKVCache,
         fingerprint: str,
         recovery_bytes: int = DEFAULT_RECOVERY_BYTES,
-        shared_masters: SharedMasters | None = None,
-        transcripts: SharedTranscripts | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         self.executor = executor
         self.cache = cache
         self.recovery = RequestRecovery(
-            executor, fingerprint, recovery_bytes, cache.block_size, shared_masters, transcripts
+            executor, fingerprint, recovery_bytes, cache.block_size, shared
         )
 
     def step(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -67,7 +67,7 @@ from kmesh.recovery.jobs import (
 from kmesh.recovery.ledger import Held, HeldMaster, HeldSegment, HeldTail, Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
-from kmesh.recovery.segment_store import Placed, SegmentStore
+from kmesh.recovery.segment_store import Placed, SegmentStore, SharedSegments
 
 if TYPE_CHECKING:
     from kmesh.store.transcripts import Chain, Restored
@@ -112,6 +112,15 @@ class SharedTranscripts(Protocol):
     ) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class SharedState:
+    """What recovery shares beyond one engine (the store: kmesh/store/shared_state.py)."""
+
+    masters: SharedMasters
+    transcripts: SharedTranscripts
+    segments: SharedSegments
+
+
 class RequestRecovery:
     """Holds the executor, the stored segment KV and the rounds' masters of one engine."""
 
@@ -121,21 +130,28 @@ class RequestRecovery:
         fingerprint: str,
         max_bytes: int = DEFAULT_RECOVERY_BYTES,
         page_size: int | None = None,
-        shared_masters: SharedMasters | None = None,
-        transcripts: SharedTranscripts | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         """`page_size`: the engine's prefix-cache page in tokens, to keep prompts' tails past
-        whole pages (prefix_tails.py); None keeps none. `shared_masters`, `transcripts`: see
-        the module docstring (None: this engine's masters and transcripts are its own)."""
+        whole pages (prefix_tails.py); None keeps none. `shared`: see `share`."""
         self.executor = executor
-        self.shared_masters = shared_masters
-        self.transcripts = transcripts
         self.fingerprint = fingerprint
         self.ledger = Ledger(max_bytes)
         self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons = CommonMasters(executor, self.segments, self.ledger, self._hold)
         self._masters: dict[RoundKey, Master] = {}
+        self.shared_masters: SharedMasters | None = None
+        self.transcripts: SharedTranscripts | None = None
+        if shared is not None:
+            self.share(shared)
+
+    def share(self, shared: SharedState) -> None:
+        """Share rounds' masters, jobs' transcripts and first readers' segments beyond this
+        engine (see the module docstring and segment_store.py)."""
+        self.shared_masters = shared.masters
+        self.transcripts = shared.transcripts
+        self.segments.shared = shared.segments
 
     def run(
         self, jobs: Sequence[RecoveryJob], pages: PrefixReader, write: Writer

@@ -11,11 +11,14 @@ an output's KV as its author generated it, per tenant, at canonical positions.
 
 A hit compares tokens (index/segment_index.py); state never crosses tenants. Bytes are bounded by
 the owner's ledger: every stored entry is held as a HeldSegment (tenant, tokens, context) and
-dropped through `discard`.
+dropped through `discard`. With `shared` (the store: kmesh/store/shared_state.py), a first
+reader's segment is published there too, and one this engine lacks is read from there (and then
+held here) before a job computes it.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -40,6 +43,14 @@ class Placed:
         return self.start + self.k.shape[1]
 
 
+class SharedSegments(Protocol):
+    """First readers' segments shared beyond one engine, by tenant and tokens."""
+
+    def get(self, tenant: str | None, tokens: Sequence[int]) -> SegmentKV | None: ...
+
+    def put(self, tenant: str | None, tokens: Sequence[int], segment: SegmentKV) -> None: ...
+
+
 class SegmentStore:
     def __init__(
         self,
@@ -52,10 +63,20 @@ class SegmentStore:
         self.ledger = ledger
         self._hold = hold  # the owner's: records bytes, drops what the bound asks
         self._index: TenantIndexes[SegmentKV] = TenantIndexes(fingerprint)
+        self.shared: SharedSegments | None = None
 
     def get(self, tenant: str | None, tokens: Sequence[int]) -> SegmentKV | None:
-        """A segment's first-reader KV (canonical positions), or None."""
-        return self._index(tenant).get(tokens, FIRST_READER)
+        """A segment's first-reader KV (canonical positions), held here or read from `shared`
+        (then held here), or None."""
+        index = self._index(tenant)
+        stored = index.get(tokens, FIRST_READER)
+        if stored is None and self.shared is not None:
+            stored = self.shared.get(tenant, tokens)
+            if stored is not None:
+                index.put(tokens, FIRST_READER, 0, stored)
+                key = HeldSegment(tenant, tuple(tokens), FIRST_READER)
+                self._hold(key, stored.k.nbytes + stored.v.nbytes)
+        return stored
 
     def placed(self, job: RecoveryJob) -> dict[int, Placed]:
         """Span index -> the stored KV placed at the span's positions, for shared segments of
@@ -67,7 +88,7 @@ class SegmentStore:
                 continue
             tokens = job.token_ids[span.start : span.end]
             offset, held, context = 0, tokens, FIRST_READER
-            stored = index.get(tokens, FIRST_READER)
+            stored = self.get(job.tenant, tokens)
             if stored is None:
                 found = index.find_within(tokens, AUTHOR)
                 if found is None:
@@ -84,12 +105,11 @@ class SegmentStore:
         """Where the job's region ends: the claimed rows, extended to the end of a shared
         segment that crosses past them (into the prompt's last token) and is stored nowhere yet
         (so that its first reader can store it whole; those extra tokens are computed twice)."""
-        index = self._index(job.tenant)
         end = job.end
         for span in job.spans:
             crosses = job.start <= span.start < job.end < span.end
             tokens = job.token_ids[span.start : span.end]
-            if span.role is Role.SHARED and crosses and index.get(tokens, FIRST_READER) is None:
+            if span.role is Role.SHARED and crosses and self.get(job.tenant, tokens) is None:
                 end = max(end, span.end)
         return end
 
@@ -113,6 +133,8 @@ class SegmentStore:
             index.put(tokens, FIRST_READER, 0, stored)
             key = HeldSegment(job.tenant, tuple(tokens), FIRST_READER)
             self._hold(key, stored.k.nbytes + stored.v.nbytes)
+            if self.shared is not None:
+                self.shared.put(job.tenant, tokens, stored)
 
     def keep_output(
         self,

@@ -10,8 +10,8 @@ rows [start, end) of that transcript, keyed like exact blocks through their pare
   member's order and start, a block table, the block-sparse diff of the blocks its recovery
   recomputed) and the master's key; rows no mirror covers are dense in it.
 Masters are entries of their own, one per round, read by every member's mirrored pieces, and by
-engines that recover a round's siblings (`StoreMasters`: a round spread over several engines
-mirrors the master the first of them built).
+engines that recover a round's siblings (shared_state.py::StoreMasters: a round spread over
+several engines mirrors the master the first of them built).
 
 `restore_piece` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate,
 scatter the diff) for each mirror, and the dense rows placed; it checks the rows against the
@@ -26,20 +26,18 @@ another. Entries name other entries only by key: any engine attached to the stor
 
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.kv.master_mirror import Master, Mirror, kv_digest, restore
-from kmesh.recovery.jobs import RoundKey
-from kmesh.state.keys import KeyNamespace, segment_key
+from kmesh.kv.segment_kv import SegmentKV
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
-from kmesh.store.tenant_clients import TenantClients
 from kmesh.store.tensors import segment_tensor, write_tensors
 
 log = logging.getLogger(__name__)
@@ -47,6 +45,7 @@ _HEADER = struct.Struct("<I")
 # (size in bytes, the tensors in order, the header bytes before them)
 Payload = tuple[int, list[torch.Tensor], bytes]
 _FORMAT = 1
+T = TypeVar("T")
 
 
 class PieceMismatch(StoreError):
@@ -169,6 +168,10 @@ def piece_payload(piece: Piece) -> Payload:
     return _payload("piece", head, tensors)
 
 
+def segment_payload(segment: SegmentKV) -> Payload:
+    return _payload("segment", {}, {"k": segment.k, "v": segment.v})
+
+
 def read_master(data: memoryview, config: ModelConfig) -> Master:
     head, tensors = _unpack("master", data)
     return Master(
@@ -179,6 +182,11 @@ def read_master(data: memoryview, config: ModelConfig) -> Master:
         head["block_size"],
         config,
     )
+
+
+def read_segment(data: memoryview) -> SegmentKV:
+    _, tensors = _unpack("segment", data)
+    return SegmentKV(tensors["k"], tensors["v"])
 
 
 def read_piece(data: memoryview) -> Piece:
@@ -204,14 +212,20 @@ def read_piece(data: memoryview) -> Piece:
     )
 
 
-def fetch_master(client: StoreClient, key: bytes, config: ModelConfig) -> tuple[Master, int] | None:
-    """The master stored under `key` and its bytes, or None if the store lacks it."""
+def fetch(client: StoreClient, key: bytes, read: Callable[[memoryview], T]) -> tuple[T, int] | None:
+    """What `read` makes of the entry stored under `key`, and the entry's bytes; None if the
+    store lacks it (nothing is claimed: a miss is the caller's to compute or not)."""
     got = client.acquire([key])
     client.abandon(got.lead)
     if not got.hits:
         return None
     with client.read(got.hits[0]) as entry:
-        return read_master(entry.data, config), got.hits[0].size
+        return read(entry.data), got.hits[0].size
+
+
+def fetch_master(client: StoreClient, key: bytes, config: ModelConfig) -> tuple[Master, int] | None:
+    """The master stored under `key` and its bytes, or None if the store lacks it."""
+    return fetch(client, key, lambda data: read_master(data, config))
 
 
 def publish(
@@ -286,39 +300,3 @@ def _tensors(data: memoryview, offset: int, described: list[Any]) -> dict[str, t
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-class StoreMasters:
-    """Rounds' masters shared through the store (recovery/requests.py::SharedMasters): one an
-    engine builds is published under its tenant, one it lacks is read from there. Every store
-    failure is a miss: the engine builds its own."""
-
-    def __init__(self, clients: TenantClients, fingerprint: str, config: ModelConfig) -> None:
-        self.clients = clients
-        self.fingerprint = fingerprint
-        self.config = config
-
-    def get(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> Master | None:
-        client = self.clients(key.tenant)
-        try:
-            read = fetch_master(client, self.key(key, master_choice, tokens), self.config)
-        except StoreError as error:
-            log.info("kmesh: round %s's master not read from the store: %s", key.round_id, error)
-            return None
-        return None if read is None else read[0]
-
-    def put(self, key: RoundKey, master_choice: str, tokens: Sequence[int], master: Master) -> None:
-        client = self.clients(key.tenant)
-        entry_key = self.key(key, master_choice, tokens)
-        try:
-            if client.acquire([entry_key]).lead:
-                publish(client, entry_key, master_payload(master))
-        except StoreError as error:
-            log.info("kmesh: round %s's master not published: %s", key.round_id, error)
-
-    def key(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> bytes:
-        """The store key of a round's master: its tenant, family, round, how it was built and
-        its segments' tokens (canonical order)."""
-        namespace = KeyNamespace(self.fingerprint, tenant_salt=key.tenant)
-        context = f"round-master/{master_choice}/{key.family}/{key.round_id}"
-        return segment_key(namespace, tokens, context)

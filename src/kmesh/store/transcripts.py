@@ -28,6 +28,7 @@ Every store failure is a miss or a piece not kept; the job computes what it lack
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,7 +41,7 @@ from kmesh.store.errors import StoreError
 from kmesh.store.group_state import (
     Piece,
     PieceMismatch,
-    StoreMasters,
+    fetch,
     fetch_master,
     piece_payload,
     publish,
@@ -48,6 +49,9 @@ from kmesh.store.group_state import (
     restore_piece,
 )
 from kmesh.store.protocol import MAX_KEYS
+
+if TYPE_CHECKING:
+    from kmesh.store.shared_state import StoreMasters
 
 log = logging.getLogger(__name__)
 # Masters read from the store kept for the next restores (a round's members read the same one).
@@ -82,7 +86,7 @@ class Restored:
 class StoreTranscripts:
     """Jobs' transcripts in the store (see the module docstring); masters through `masters`."""
 
-    def __init__(self, masters: StoreMasters) -> None:
+    def __init__(self, masters: "StoreMasters") -> None:
         self.masters = masters
         self.clients = masters.clients
         self.fingerprint = masters.fingerprint
@@ -195,13 +199,10 @@ class StoreTranscripts:
         self, client: StoreClient, key: bytes
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
         """A piece's rows, checked, and the bytes read for them."""
-        got = client.acquire([key])
-        client.abandon(got.lead)
-        if not got.hits:
+        fetched = fetch(client, key, read_piece)
+        if fetched is None:
             raise StoreError("the piece was evicted")
-        with client.read(got.hits[0]) as entry:
-            piece = read_piece(entry.data)
-        size = got.hits[0].size
+        piece, size = fetched
         master = None
         if piece.master is not None:
             master = self._read_masters.get(piece.master)

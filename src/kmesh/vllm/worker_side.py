@@ -22,10 +22,9 @@ from kmesh.kv.block_pool import blocks_for
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.recovery.requests import RecoveredRows, RequestRecovery
 from kmesh.store import StoreError, TenantClients
-from kmesh.store.group_state import StoreMasters
 from kmesh.store.segments import encode_meta, write_segment
+from kmesh.store.shared_state import shared_through
 from kmesh.store.tensors import segment_tensor, write_tensors
-from kmesh.store.transcripts import StoreTranscripts
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
 from kmesh.vllm.pages import Pages
@@ -109,13 +108,11 @@ class WorkerSide:
         return kept
 
     def attach_recovery(self, recovery: RequestRecovery) -> None:
-        """Recovery on vLLM's model; with a store, rounds' masters and recovered transcripts
-        are shared through it."""
+        """Recovery on vLLM's model; with a store, what it shares goes through it
+        (kmesh/store/shared_state.py)."""
         if self.store is not None:
-            executor = recovery.executor
-            masters = StoreMasters(self._client, recovery.fingerprint, executor.config)
-            recovery.shared_masters = masters
-            recovery.transcripts = StoreTranscripts(masters)
+            config = recovery.executor.config
+            recovery.share(shared_through(self._client, recovery.fingerprint, config))
         self._recovery = recovery
 
     def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:
