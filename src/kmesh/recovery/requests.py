@@ -34,17 +34,18 @@ What a RequestRecovery keeps (stored segments, masters, common contexts) is boun
 reader, a dropped master rebuilt by the round's next sibling, a dropped common context restarted
 from the family's leading shared segments.
 
-With `shared_masters` (the store: kmesh/store/group_state.py::StoreMasters), a round's master
-is shared beyond this engine: one it builds is published, and a round whose master it lacks
-looks there first, so the siblings of a round spread over several engines (vLLM instances,
-reference engines) mirror the one master the first of them built, as if they ran on one.
-
-With `transcripts` (the store: kmesh/store/transcripts.py::StoreTranscripts), a job with segments
-first restores the rows of its transcript the store holds past its start (published by an earlier
-job of any engine: the same rows, bit for bit) and recovers only the rest; once its rows are
-written, it publishes its own transcript's new rows (its mirrors of the round's master where they
-give those rows back). A kept tail reaching as far wins (no read): a member's tail and its piece
-are the same rows, both kept from the job that recovered them.
+Shared (`share`, a SharedState: the store, kmesh/store/shared_state.py), state goes beyond
+this engine:
+- rounds' masters: one it builds is published, and a round whose master it lacks looks there
+  first, so the siblings of a round spread over several engines (vLLM instances, reference
+  engines) mirror the one master the first of them built, as if they ran on one;
+- jobs' transcripts (kmesh/store/transcripts.py): a job with segments first restores the rows of
+  its transcript the store holds past its start (published by an earlier job of any engine: the
+  same rows, bit for bit) and recovers only the rest; once its rows are written, it publishes its
+  own transcript's new rows (its mirrors of the round's master where they give those rows back).
+  A kept tail reaching as far wins (no read): a member's tail and its piece are the same rows,
+  both kept from the job that recovered them;
+- first readers' segments (segment_store.py).
 """
 
 from collections.abc import Callable, Sequence
