@@ -24,7 +24,6 @@ An entry's payload is self-describing: a little-endian u32 header length, a Mess
 another. Entries name other entries only by key: any engine attached to the store restores them.
 """
 
-import logging
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
 from kmesh.store.tensors import segment_tensor, write_tensors
 
-log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
 # (size in bytes, the tensors in order, the header bytes before them)
 Payload = tuple[int, list[torch.Tensor], bytes]
