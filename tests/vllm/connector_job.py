@@ -120,15 +120,17 @@ def approximate(run: Any, named: dict[str, list[int]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # The first reader computes both halves and stores them (its own KV: exact).
     out["first_reader"] = run("a", salt=salt, kmesh=kmesh(["h1", "h2"], policy="none"))
+    # The gate at 0: any deviation sends the claimed blocks back to vLLM's prefill. (Run before
+    # the next request publishes its swapped transcript: a transcript restored from the store is
+    # served under its salt as vLLM's prefix cache is, without a gate.)
+    gated = kmesh(["h2", "h1"], policy="none", gate=0.0)
+    out["gated"] = run("swapped", salt=salt, kmesh=gated)
     # Reused swapped, nothing recomputed: approximate; its blocks stay in vLLM's prefix cache.
     none = kmesh(["h2", "h1"], policy="none", gate=None)
     out["approximate"] = run("swapped", salt=salt, kmesh=none, reset=False)
     out["exact_after"] = run("swapped", reset=False)  # no salt: must not hit those blocks
     out["other_salt_after"] = run("swapped", salt="kmesh-approx:other", reset=False)
     out["same_salt_after"] = run("swapped", salt=salt)  # asked for it: served
-    # The gate at 0: any deviation sends the claimed blocks back to vLLM's prefill.
-    gated = kmesh(["h2", "h1"], policy="none", gate=0.0)
-    out["gated"] = run("swapped", salt=salt, kmesh=gated)
     # Approximate without an approximate salt: refused, computed exactly.
     out["refused"] = run("swapped", kmesh=none)
     out |= kept_output(run, named)

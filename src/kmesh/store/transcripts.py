@@ -22,6 +22,9 @@ mirrored (the job's mirrors of its round's master that lie inside it, naming the
 entry: StoreMasters.key) when restoring it gives those rows back, dense otherwise. Pieces are not
 pinned: the store's retention treats them as undeclared (LRU among them).
 
+Pieces are served to any job under their tenant's salt, as an engine's prefix cache serves its
+pages: a job's gate judges the rows it recovers, not the rows it restores.
+
 Every store failure is a miss or a piece not kept; the job computes what it lacks.
 """
 
