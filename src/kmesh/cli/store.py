@@ -8,15 +8,28 @@ from kmesh.coord.future_use import RETENTIONS
 
 def _store_serve(args: argparse.Namespace) -> None:
     from kmesh.state.tenants import load_api_keys
+    from kmesh.store.remote_worker import remote_config
     from kmesh.store.server import parse_size, serve
 
     capacity = parse_size(args.capacity)
     api_keys = None if args.api_keys is None else load_api_keys(args.api_keys)
+    remote = None
+    if args.remote is not None:
+        lend = (
+            capacity if args.remote_lend is None else parse_size(args.remote_lend, "--remote-lend")
+        )
+        remote = remote_config(args.remote, args.remote_metadata, lend, args.remote_lease)
 
     def ready() -> None:
         print(f"kmesh store: listening on {args.socket}, capacity {capacity} bytes", flush=True)
+        if remote is not None:
+            print(
+                f"kmesh store: in front of the remote tier at {remote.master} (metadata "
+                f"{remote.metadata}), lending it {remote.lend} bytes at {remote.hostname}",
+                flush=True,
+            )
 
-    serve(args.socket, capacity, args.lease, ready, api_keys, args.retention)
+    serve(args.socket, capacity, args.lease, ready, api_keys, args.retention, remote)
 
 
 def register(commands: Commands) -> None:
@@ -49,5 +62,31 @@ def register(commands: Commands) -> None:
         help="what goes first when full: future_use (ended families, then undeclared entries "
         "least recently used, then declared ones furthest next use first; pins are soft) or lru "
         "(least recently used; pins are hard)",
+    )
+    store_serve.add_argument(
+        "--remote",
+        default=None,
+        metavar="HOST:PORT",
+        help="a Mooncake Store master (mooncake_master --rpc_port): stand in front of it as the "
+        "remote tier shared with other machines' stores (docs/REMOTE.md)",
+    )
+    store_serve.add_argument(
+        "--remote-metadata",
+        default=None,
+        metavar="URL",
+        help="the master's HTTP metadata server (default http://HOST:8080/metadata)",
+    )
+    store_serve.add_argument(
+        "--remote-lend",
+        default=None,
+        metavar="SIZE",
+        help="memory this machine lends to the remote tier (default: --capacity)",
+    )
+    store_serve.add_argument(
+        "--remote-lease",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat before another machine takes over a remote claim "
+        "(default 5)",
     )
     store_serve.set_defaults(func=_store_serve)

@@ -173,6 +173,20 @@ class Singleflight(Generic[Key, Entry, Ask]):
                 self._evaluate(session, wait.keys, wait.ask, now, now, out)
         return out
 
+    def unblock(
+        self, key: Key, now: float, which: Callable[[Ask], bool]
+    ) -> list[Answer[Key, Entry, Ask]]:
+        """Answer now (as blocked) the waiters of `key` whose ask `which` selects; the rest keep
+        waiting."""
+        out: list[Answer[Key, Entry, Ask]] = []
+        for waiter in list(self._waiters.get(key, [])):
+            wait = waiter.waiting
+            assert wait is not None
+            if which(wait.ask):
+                self._unwait(waiter)
+                self._evaluate(waiter, wait.keys, wait.ask, now, now, out)
+        return out
+
     def next_deadline(self) -> float | None:
         """The earliest lease or wait that runs out, if any."""
         deadlines = [s.lease_deadline for s in self.sessions if s.claims]

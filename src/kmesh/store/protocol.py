@@ -223,6 +223,11 @@ class StatsInfo(Answer, frozen=True, tag="stats"):
     refused: int = 0
     promoted: int = 0
     expired: int = 0
+    remote_fetched: int = 0  # entries copied from the remote tier
+    remote_claimed: int = 0  # remote claims taken (keys computed on this machine for all)
+    remote_busy: int = 0  # keys found being computed on another machine
+    remote_failed: int = 0  # keys the remote tier could not answer for (computed here)
+    remote_written: int = 0  # entries written through to the remote tier
 
 
 class Error(Answer, frozen=True, tag="error"):

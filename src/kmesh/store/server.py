@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from kmesh.store.protocol import (
     encode_frame,
     take_frame,
 )
+from kmesh.store.remote_front import RemoteFront, Resolved
+from kmesh.store.remote_worker import RemoteConfig, RemoteWorker, start_worker
 from kmesh.store.state_machine import DEFAULT_LEASE_S, Outbox, Store, StoreSession
 from kmesh.store.tier import SharedMemoryTier
 
@@ -88,9 +91,16 @@ class StoreServer:
         lease: float = DEFAULT_LEASE_S,
         api_keys: ApiKeys | None = None,
         retention: str = "future_use",
+        remote: RemoteConfig | None = None,
     ) -> None:
         self.path = Path(socket_path)
-        self.store = Store(SharedMemoryTier(capacity, retention), lease, api_keys)
+        self._resolved: deque[Resolved] = deque()  # the remote worker's answers, not yet applied
+        self._worker: RemoteWorker | None = None
+        front = None
+        if remote is not None:
+            front = RemoteFront(grace=remote.lease)
+            self._worker = start_worker(remote, self._arrived)
+        self.store = Store(SharedMemoryTier(capacity, retention), lease, api_keys, front)
         self._listener = _listen(self.path)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -105,8 +115,16 @@ class StoreServer:
     def stop(self) -> None:
         """Make serve_forever return (safe from a signal handler or another thread)."""
         self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
         with contextlib.suppress(OSError):  # a wake-up is already pending, or we are closed
             self._wake_out.send(b"\0")
+
+    def _arrived(self, resolved: Resolved) -> None:
+        """The remote worker's answer (on its thread): queue it and wake the loop."""
+        self._resolved.append(resolved)
+        self._wake()
 
     def serve_forever(self) -> None:
         while not self._stopping:
@@ -122,6 +140,8 @@ class StoreServer:
                     if events & selectors.EVENT_READ:
                         self._read(conn)
             self._reap()
+            while self._resolved:
+                self._deliver(self.store.remote_done(self._resolved.popleft(), time.monotonic()))
             self._deliver(self.store.expire(time.monotonic()))
             while any([self._pump(conn) for conn in list(self._connections.values())]):
                 self._reap()
@@ -132,6 +152,8 @@ class StoreServer:
         for conn in self._connections.values():
             conn.sock.close()
         self._connections.clear()
+        if self._worker is not None:
+            self._worker.stop()
         self.store.tier.close()
         self._selector.close()
         self._listener.close()
@@ -206,6 +228,8 @@ class StoreServer:
         return True
 
     def _deliver(self, out: Outbox) -> None:
+        if self._worker is not None and self.store.remote is not None:
+            self._worker.submit(self.store.remote.take_commands())
         for session, answer in out:
             conn = self._connections.get(session)
             if conn is not None and not conn.dead:
@@ -276,12 +300,14 @@ def serve(
     on_ready: Callable[[], None] | None = None,
     api_keys: ApiKeys | None = None,
     retention: str = "future_use",
+    remote: RemoteConfig | None = None,
 ) -> None:
     """Run a store on `socket_path` until SIGTERM or SIGINT; `on_ready` is called once it
-    accepts connections. `api_keys`: connections must say hello with one (module docstring)."""
+    accepts connections. `api_keys`: connections must say hello with one (module docstring);
+    `remote`: the remote tier it stands in front of."""
     if not lease > 0:  # NaN too
         raise InvalidRequestError(f"--lease must be a positive number of seconds, got {lease}")
-    server = StoreServer(socket_path, capacity, lease, api_keys, retention)
+    server = StoreServer(socket_path, capacity, lease, api_keys, retention, remote)
     shm = Path("/dev/shm")
     if shm.is_dir():
         stat = os.statvfs(shm)

@@ -13,6 +13,11 @@ waiters, so its answers are those of a plain miss. With API keys (kmesh/state/te
 connection's first request is a `hello` with a key (anything else, or an unknown key, gets an
 `unauthorized` error), and the key's tenant scopes every later request: the `tenant` a client
 names only subdivides its key's (tenant_salt), so no client can name another key's entries.
+
+With a remote tier (`remote`, remote_front.py), an acquire's locally missing keys are first claimed
+by the front's proxy session and looked up remotely; the asker waits on the proxy (for at least
+`remote_wait` seconds, even if it asked not to wait: a remote lookup is part of a lookup) and then
+sees a hit (fetched) or leads (nobody has it). Fed the worker's answers by `remote_done`.
 """
 
 import msgspec
@@ -44,9 +49,11 @@ from kmesh.store.protocol import (
     Stats,
     StatsInfo,
 )
+from kmesh.store.remote_front import RemoteFront, Resolved
 from kmesh.store.tier import CapacityError, EntryId, StoredEntry, Tier
 
 DEFAULT_LEASE_S = 60.0
+DEFAULT_REMOTE_WAIT_S = 5.0
 
 StoreSession = Session[EntryId, Acquire]
 Outbox = list[tuple[StoreSession, AnyAnswer]]
@@ -56,7 +63,12 @@ class Store:
     """Protocol requests over a tier, coordinated by kmesh/coord/; see the module docstring."""
 
     def __init__(
-        self, tier: Tier, lease: float = DEFAULT_LEASE_S, api_keys: ApiKeys | None = None
+        self,
+        tier: Tier,
+        lease: float = DEFAULT_LEASE_S,
+        api_keys: ApiKeys | None = None,
+        remote: RemoteFront | None = None,
+        remote_wait: float = DEFAULT_REMOTE_WAIT_S,
     ) -> None:
         self.tier = tier
         self.lease = lease
@@ -67,6 +79,9 @@ class Store:
         self.pins = FamilyPins(tier)
         self._tenants: dict[StoreSession, str | None] = {}  # API key tenants, once said hello
         self._counts = dict.fromkeys(("hits", "misses", "published", "refused"), 0)
+        self.remote = remote
+        self.remote_wait = remote_wait
+        self._proxy = self.flight.open()  # leads the keys being looked up remotely
 
     @property
     def sessions(self) -> set[StoreSession]:
@@ -88,6 +103,8 @@ class Store:
             case Acquire(keys=keys, tenant=tenant):
                 idents = [(key, tenant) for key in keys]
                 deadline = now + request.wait
+                if self.remote is not None and self._resolve(idents, request, now):
+                    deadline = max(deadline, now + self.remote_wait)
                 out += self._answers(self.flight.acquire(session, idents, request, deadline, now))
             case Lookup(keys=keys, tenant=tenant):
                 present = [i for i, k in enumerate(keys) if self.tier.lookup((k, tenant))]
@@ -123,10 +140,60 @@ class Store:
     def expire(self, now: float) -> Outbox:
         """Release the claims of sessions whose lease ran out (promoting waiters), then answer
         waits that ran out."""
+        if self.remote is not None:
+            self.flight.touch(self._proxy, now)
+            leaders = {
+                i for i in self.remote.held if self.flight.leader(i) not in (None, self._proxy)
+            }
+            self.remote.tick(leaders, now)
         return self._answers(self.flight.expire(now))
+
+    def remote_done(self, resolved: Resolved, now: float) -> Outbox:
+        """The remote worker's answer: fetched entries published here by the proxy, claimed and
+        failed keys released to local waiters, waiters that asked not to wait on another machine
+        answered."""
+        assert self.remote is not None
+        out: Outbox = []
+        counts = self.remote.counts
+        release = [ident for ident, _ in resolved.claimed] + list(resolved.failed)
+        for ident, entry in resolved.fetched:
+            if self.flight.leader(ident) is not self._proxy:
+                continue
+            try:
+                name = self.tier.reserve(len(entry.payload))
+            except CapacityError:
+                release.append(ident)
+                continue
+            self.tier.fill(name, entry.payload)
+            self.flight.reserve(ident, name)
+            self.tier.commit(ident, name, entry.checksum, entry.meta)
+            counts["fetched"] += 1
+            out += self._answers(self.flight.publish(ident, now))
+        for ident, claim in resolved.claimed:
+            self.remote.claimed(ident, claim, now)
+        counts["failed"] += len(resolved.failed)
+        counts["busy"] += len(resolved.busy)
+        mine = [ident for ident in release if self.flight.leader(ident) is self._proxy]
+        out += self._answers(self.flight.release(mine, now))
+        for ident in resolved.busy:
+            out += self._answers(self.flight.unblock(ident, now, lambda ask: ask.wait == 0))
+        return out
 
     def next_deadline(self) -> float | None:
         return self.flight.next_deadline()
+
+    def _resolve(self, idents: list[EntryId], request: Acquire, now: float) -> bool:
+        """Claim the chain's locally missing, unclaimed keys for the proxy and ask the remote
+        tier for them; whether the first missing key is now the proxy's."""
+        assert self.remote is not None
+        missing = [i for i in idents if self.tier.lookup(i) is None]
+        asked = []
+        for ident in missing:
+            if self.flight.leader(ident) is None and self.remote.asks(ident):
+                self.flight.acquire(self._proxy, [ident], request, now, now)
+                asked.append(ident)
+        self.remote.resolve(asked)
+        return bool(missing) and self.flight.leader(missing[0]) is self._proxy
 
     def _authorized(self, session: StoreSession, request: AnyRequest) -> AnyRequest | AnyAnswer:
         """The request in its session's tenant, or the answer refusing it."""
@@ -144,6 +211,8 @@ class Store:
         """Evaluated acquires as protocol answers; a request's hits pinned for its family."""
         out: Outbox = []
         for answer in answers:
+            if answer.session is self._proxy:
+                continue
             family = answer.ask.family
             if family is not None:
                 for ident in answer.keys[: len(answer.hits)]:
@@ -177,8 +246,11 @@ class Store:
         name = self.flight.reservation(ident)
         if name is None:
             return Refused(code="not_reserved", reason="commit before reserve: nothing was written")
-        self.tier.commit(ident, name, request.checksum, request.meta)
+        entry = self.tier.commit(ident, name, request.checksum, request.meta)
         self._counts["published"] += 1
+        if self.remote is not None:
+            pin = request.family is not None
+            self.remote.published(ident, name, entry.size, request.checksum, request.meta, pin)
         if request.family is not None:
             self.pins.pin(session, request.family, ident, request.next_use)
         out += self._answers(self.flight.publish(ident, now))
@@ -194,12 +266,17 @@ class Store:
             reserved=tier.reserved,
             claims=self.flight.num_claims,
             waiters=self.flight.num_waiters,
-            connections=len(self.sessions),
+            connections=len(self.sessions) - 1,  # not the proxy
             evicted=tier.evicted,
             dropped=tier.dropped,
             promoted=self.flight.num_promoted,
             expired=self.flight.num_expired,
             **self._counts,
+            **(
+                {}
+                if self.remote is None
+                else {f"remote_{k}": v for k, v in self.remote.counts.items()}
+            ),
         )
 
 

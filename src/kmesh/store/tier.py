@@ -18,9 +18,9 @@ by SIGBUS on a full /dev/shm; the store process keeps no mapping or descriptor o
 A segment that a client still maps when it is unlinked stays readable by that client until it
 closes its mapping (POSIX semantics), so eviction never pulls state from under a reader.
 
-A remote tier (say, a store on another machine) would implement the same interface behind the
-local one: the store would look it up on a local miss and copy the bytes into a reserved local
-segment, so clients keep seeing only local segment handles and never change.
+A remote tier (mooncake_tier.py) stands behind this one: the store looks a local miss up there and
+copies the bytes into a reserved local segment (`fill`), so clients only ever see local segment
+handles (remote_front.py).
 """
 
 import os
@@ -74,6 +74,9 @@ class Tier(Protocol):
     def reserve(self, size: int) -> str:
         """Room for a payload of `size` bytes (evicting if needed): a segment name to write to.
         Raises CapacityError if it cannot fit."""
+
+    def fill(self, name: str, payload: bytes) -> None:
+        """Write a reservation's payload here (one copied from elsewhere: the remote tier)."""
 
     def cancel(self, name: str) -> None:
         """Give back a reservation that will not be committed."""
@@ -183,6 +186,14 @@ class SharedMemoryTier:
         self._reserved[name] = size
         self._used += size
         return name
+
+    def fill(self, name: str, payload: bytes) -> None:
+        segment = shared_memory.SharedMemory(name)
+        try:
+            assert segment.buf is not None
+            segment.buf[: len(payload)] = payload
+        finally:
+            segment.close()
 
     def cancel(self, name: str) -> None:
         self._used -= self._reserved.pop(name)

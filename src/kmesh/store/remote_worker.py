@@ -1,0 +1,269 @@
+"""The thread that carries out the front's commands (remote_front.py) on the remote tier.
+
+The store's own thread never waits on the network: it hands commands to `submit` and gets
+`Resolved` answers back through `deliver` (called on this thread; it must only queue and wake).
+- Resolve: entries found remotely are fetched (and checked); for each missing one this machine
+  tries to take the remote claim (generation 0, or the next one after a released or dead
+  claim); after taking it, it looks for the entry once more, since a machine that published
+  just before may have ended the claim the new one followed. A key another machine holds is
+  watched, every `poll` seconds, until it is published (fetched), its holder dies (by
+  remote_leases.py: the claim is taken over) or `watch` seconds pass (failed: computed here).
+- WriteThrough: the local segment's bytes are put remotely, then the claim records are removed.
+- Release: the claim record is marked released.
+- Claims held here are beaten every lease / 4 seconds.
+After a call the remote tier does not answer, it is left alone for `backoff` seconds: every
+Resolve meanwhile fails at once (keys are computed here), writes are dropped.
+"""
+
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+
+from kmesh.errors import InvalidRequestError
+from kmesh.store.mooncake_tier import MooncakeTier, RemoteEntry
+from kmesh.store.remote_front import Command, Release, Resolve, Resolved, WriteThrough
+from kmesh.store.remote_leases import ForeignLeases
+from kmesh.store.tier import EntryId
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02
+BACKOFF_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """Where the remote tier is and how this store joins it (`kmesh store serve --remote`)."""
+
+    master: str  # HOST:PORT of mooncake_master's RPC
+    metadata: str  # its HTTP metadata server's URL
+    hostname: str  # HOST:PORT other machines reach this one's lent memory at
+    lend: int  # bytes of this machine's memory lent to the remote tier
+    lease: float = 5.0  # a remote claim not beaten for this long is taken over
+    watch: float = 60.0  # how long a key another machine computes is waited for
+
+
+def remote_config(master: str, metadata: str | None, lend: int, lease: float) -> RemoteConfig:
+    """A RemoteConfig from `--remote HOST:PORT` and its flags; this machine's address is the
+    one its traffic to the master leaves from."""
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidRequestError(f"--remote takes the master's HOST:PORT, got {master!r}")
+    if not lease > 0:
+        raise InvalidRequestError(f"--remote-lease must be positive seconds, got {lease}")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))  # no packet is sent: only a route is chosen
+            own = probe.getsockname()[0]
+    except OSError as error:
+        raise InvalidRequestError(f"--remote {master}: no route to it ({error})") from None
+    url = metadata or f"http://{host}:8080/metadata"
+    return RemoteConfig(master, url, own, lend, lease)
+
+
+def start_worker(config: RemoteConfig, deliver: Callable[[Resolved], None]) -> "RemoteWorker":
+    """Join the remote tier (RemoteUnavailable if it cannot) and start a worker on it."""
+    tier = MooncakeTier(config.master, config.metadata, config.hostname, config.lend)
+    worker = RemoteWorker(tier, config.lease, config.watch, deliver)
+    worker.start()
+    return worker
+
+
+class RemoteWorker:
+    """See the module docstring; `start`, `submit`, `stop`."""
+
+    def __init__(
+        self,
+        tier: MooncakeTier,
+        lease: float,
+        watch: float,
+        deliver: Callable[[Resolved], None],
+    ) -> None:
+        self.tier = tier
+        self.lease = lease
+        self.watch = watch
+        self.deliver = deliver
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._inbox: queue.Queue[Command | None] = queue.Queue()
+        self._leases = ForeignLeases(lease)
+        self._busy: dict[EntryId, float] = {}  # watched key -> when watching it stops
+        self._mine: dict[EntryId, list[int]] = {}  # claims held here: [generation, beat]
+        self._down_until = 0.0
+        self._next_beat = 0.0
+        self._thread = threading.Thread(target=self._run, name="kmesh-remote", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, commands: list[Command]) -> None:
+        for command in commands:
+            self._inbox.put(command)
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(30.0)
+        self.tier.close()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                command = _IDLE
+            if command is None:
+                return
+            try:
+                self._step(command)
+            except Exception:  # a bug here must not stop the store: log it, keep serving
+                log.exception("kmesh store: the remote worker failed on %s", command)
+
+    def _step(self, command: Command) -> None:
+        now = time.monotonic()
+        match command:
+            case Resolve(idents=idents) if idents:
+                self._send(self._resolve(list(idents), now))
+            case WriteThrough():
+                self._write(command)
+            case Release(ident=ident, claim=claim):
+                self._mine.pop(ident, None)
+                if not self._down(now):
+                    self.tier.release_claim(ident, claim, self.holder)
+        if self._busy:
+            self._send(self._watch(now))
+        if self._mine and now >= self._next_beat:
+            self._next_beat = now + self.lease / 4
+            for ident, mine in self._mine.items():
+                mine[1] += 1
+                self.tier.beat(ident, mine[0], self.holder, mine[1])
+
+    def _send(self, resolved: Resolved) -> None:
+        if resolved.fetched or resolved.claimed or resolved.busy or resolved.failed:
+            self.deliver(resolved)
+
+    def _down(self, now: float) -> bool:
+        return now < self._down_until
+
+    def _fail(self, now: float) -> None:
+        log.warning("kmesh store: the remote tier did not answer (%s)", self.tier.error)
+        self._down_until = now + BACKOFF_S
+
+    def _resolve(self, idents: list[EntryId], now: float) -> Resolved:
+        if self._down(now):
+            return Resolved(failed=tuple(idents))
+        present = self.tier.present(idents)
+        if present is None:
+            self._fail(now)
+            return Resolved(failed=tuple(idents))
+        answer = _Answer()
+        for ident, there in zip(idents, present, strict=True):
+            if not self._settle(ident, there, now, answer):
+                answer.busy.append(ident)
+                self._busy[ident] = now + self.watch
+        return answer.resolved()
+
+    def _watch(self, now: float) -> Resolved:
+        """Look again at the keys other machines hold."""
+        if self._down(now):
+            return Resolved()
+        idents = list(self._busy)
+        present = self.tier.present(idents)
+        if present is None:
+            self._fail(now)
+            return Resolved()
+        answer = _Answer()
+        for ident, there in zip(idents, present, strict=True):
+            if not self._settle(ident, there, now, answer):
+                if now < self._busy[ident]:
+                    continue
+                answer.failed.append(ident)
+            del self._busy[ident]
+            self._leases.forget(ident)
+        return answer.resolved()
+
+    def _settle(self, ident: EntryId, there: bool, now: float, answer: "_Answer") -> bool:
+        """Fetch the key if it is published, else take its claim if it is free, released or
+        dead (then look for the entry once more); False while another machine holds it."""
+        entry = self.tier.get(ident) if there else None
+        if entry is None:
+            generation = self._claim(ident, now)
+            if generation is None:
+                return False
+            if self.tier.present([ident]) != [True]:
+                answer.claimed.append((ident, generation))
+                return True
+            self._mine.pop(ident, None)
+            self.tier.release_claim(ident, generation, self.holder)
+            entry = self.tier.get(ident)
+            if entry is None:
+                answer.failed.append(ident)
+                return True
+        answer.fetched.append((ident, entry))
+        return True
+
+    def _claim(self, ident: EntryId, now: float) -> int | None:
+        """The generation of the key's remote claim, taken now; None while another machine
+        holds it (or another claimer got there first)."""
+        record = self.tier.latest_claim(ident)
+        if record is None:
+            generation = 0
+        elif (
+            record.released
+            or record.holder == self.holder
+            or self._leases.expired(ident, record.generation, record.beat, now)
+        ):
+            generation = record.generation + 1
+        else:
+            return None
+        if not self.tier.take_claim(ident, generation, self.holder):
+            return None
+        self._leases.forget(ident)
+        self._mine[ident] = [generation, 0]
+        return generation
+
+    def _write(self, command: WriteThrough) -> None:
+        mine = self._mine.pop(command.ident, None)
+        if self._down(time.monotonic()):
+            return
+        try:
+            segment = shared_memory.SharedMemory(command.segment)
+        except FileNotFoundError:  # evicted locally before it could be written: nothing to do
+            if mine is not None:
+                self.tier.release_claim(command.ident, mine[0], self.holder)
+            return
+        try:
+            assert segment.buf is not None
+            payload = segment.buf[: command.size]
+            written = self.tier.put(
+                command.ident, payload, command.checksum, command.meta, command.pin
+            )
+            del payload
+        finally:
+            segment.close()
+        if mine is not None:
+            if written:
+                self.tier.forget_claims(command.ident, mine[0])
+            else:  # refused (the remote tier is full): another machine may compute it
+                self.tier.release_claim(command.ident, mine[0], self.holder)
+
+
+_IDLE = Resolve(())  # no command this poll: only watch and beat
+
+
+@dataclass(slots=True)
+class _Answer:
+    fetched: list[tuple[EntryId, RemoteEntry]] = field(default_factory=list)
+    claimed: list[tuple[EntryId, int]] = field(default_factory=list)
+    busy: list[EntryId] = field(default_factory=list)
+    failed: list[EntryId] = field(default_factory=list)
+
+    def resolved(self) -> Resolved:
+        return Resolved(
+            tuple(self.fetched), tuple(self.claimed), tuple(self.busy), tuple(self.failed)
+        )
