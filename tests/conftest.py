@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -105,14 +106,9 @@ class StoreProcess(RunningStore):
         return StoreClient(self.socket, tenant=tenant, timeout=timeout)
 
 
-def start_store(
-    directory: Path,
-    capacity: str = "16M",
-    lease: float | None = None,
-    api_keys: Path | None = None,
-    retention: str | None = None,
-) -> StoreProcess:
-    running = start_running_store(directory, capacity, lease, api_keys, retention)
+def start_store(directory: Path, capacity: str = "16M", **options: Any) -> StoreProcess:
+    """A store process; `options`: those of kmesh.store.process.start_store."""
+    running = start_running_store(directory, capacity, **options)
     return StoreProcess(running.socket, running.process, running.log)
 
 
@@ -129,17 +125,12 @@ def store_factory(short_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
     started: list[StoreProcess] = []
     count = 0
 
-    def make(
-        capacity: str = "16M",
-        lease: float | None = None,
-        api_keys: Path | None = None,
-        retention: str | None = None,
-    ) -> StoreProcess:
+    def make(capacity: str = "16M", **options: Any) -> StoreProcess:
         nonlocal count
         count += 1
         directory = short_dir / str(count)
         directory.mkdir()
-        store = start_store(directory, capacity, lease, api_keys, retention)
+        store = start_store(directory, capacity, **options)
         started.append(store)
         return store
 

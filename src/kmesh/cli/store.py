@@ -80,7 +80,8 @@ def register(commands: Commands) -> None:
         "--remote-lend",
         default=None,
         metavar="SIZE",
-        help="memory this machine lends to the remote tier (default: --capacity)",
+        help="memory this machine lends to the remote tier: 0, or 16M or more (default: "
+        "--capacity)",
     )
     store_serve.add_argument(
         "--remote-lease",

@@ -164,7 +164,10 @@ class MooncakeTier:
             first += _GENERATIONS
         if first + count == 0:
             return None
-        return self._record(ident, first + count - 1)
+        generation = first + count - 1
+        # A record that exists but cannot be read (its memory's lender died) is a claim nobody
+        # beats: it runs out like one.
+        return self._record(ident, generation) or ClaimRecord("", -1, False, generation)
 
     def take_claim(self, ident: EntryId, generation: int, holder: str) -> bool:
         """Try to take claim `generation`: True if this holder's record is the one kept."""

@@ -105,7 +105,7 @@ def start_store(
     api_keys: Path | None = None,
     retention: str | None = None,
     remote: MasterProcess | None = None,
-    remote_lend: str = "64M",
+    remote_lend: str = "16M",
     remote_lease: float | None = None,
 ) -> StoreProcess:
     """A store on `directory`/store.sock (a Unix socket path must fit in 107 bytes), logging to
@@ -130,7 +130,7 @@ def start_store(
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     store = StoreProcess(str(path), process, log)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while "listening on" not in store.log_text():
+    while "kmesh store: listening on" not in store.log_text():
         if process.poll() is not None or time.monotonic() > deadline:
             store.stop(signal.SIGKILL)
             raise KMeshError(f"the store did not start:\n{store.log_text()}")

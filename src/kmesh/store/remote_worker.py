@@ -34,6 +34,7 @@ from kmesh.store.tier import EntryId
 
 log = logging.getLogger(__name__)
 
+MIN_LEND = 16 << 20  # Mooncake Store refuses smaller segments
 POLL_S = 0.02
 BACKOFF_S = 1.0
 
@@ -58,6 +59,11 @@ def remote_config(master: str, metadata: str | None, lend: int, lease: float) ->
         raise InvalidRequestError(f"--remote takes the master's HOST:PORT, got {master!r}")
     if not lease > 0:
         raise InvalidRequestError(f"--remote-lease must be positive seconds, got {lease}")
+    if 0 < lend < MIN_LEND:
+        raise InvalidRequestError(
+            f"--remote-lend must be 0 (lend nothing) or at least {MIN_LEND >> 20}M, Mooncake's "
+            f"smallest segment; got {lend} bytes"
+        )
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((host, int(port)))  # no packet is sent: only a route is chosen

@@ -277,9 +277,9 @@ class StoreServer:
             self._deliver(self.store.close(conn.session, time.monotonic()))
 
 
-def parse_size(text: str, flag: str = "--capacity") -> int:
+def parse_size(text: str, flag: str = "--capacity", least: int = 1) -> int:
     """Bytes from a size like 1048576, 512K, 512M, 2G or 1T (binary units; a trailing B or iB
-    is allowed); `flag` names the option in errors."""
+    is allowed), at least `least`; `flag` names the option in errors."""
     value = text.strip().upper().removesuffix("IB").removesuffix("B")
     unit = value[-1:] if value[-1:] in _SIZE_UNITS else ""
     number = value[: len(value) - len(unit)]
@@ -288,8 +288,8 @@ def parse_size(text: str, flag: str = "--capacity") -> int:
             f"{flag} takes a size in bytes like 1048576, 512M or 2G; got {text!r}"
         )
     size = int(number) * _SIZE_UNITS[unit]
-    if size < 1:
-        raise InvalidRequestError(f"{flag} must be at least one byte, got {text!r}")
+    if size < least:
+        raise InvalidRequestError(f"{flag} must be at least {least} bytes, got {text!r}")
     return size
 
 
