@@ -97,6 +97,17 @@ def decode_entry(ident: EntryId, value: bytes) -> RemoteEntry | None:
     return RemoteEntry(payload, header.checksum, header.meta)
 
 
+def _record(value: bytes, generation: int) -> ClaimRecord:
+    """The claim record in `value`; one nobody beats if it cannot be read."""
+    try:
+        record = msgspec.msgpack.decode(value, type=ClaimRecord) if value else None
+    except msgspec.DecodeError:
+        record = None
+    if record is None:
+        return ClaimRecord("", -1, False, generation)
+    return msgspec.structs.replace(record, generation=generation)
+
+
 class MooncakeTier:
     """One Mooncake Store client (see the module docstring). Not thread-safe: one thread uses it."""
 
@@ -123,92 +134,89 @@ class MooncakeTier:
         self._soft_pinned = ReplicateConfig()
         self._soft_pinned.soft_pin_action = type(self._soft_pinned.soft_pin_action).ENABLE
 
-    def healthy(self) -> bool:
-        return bool(self._store.health_check() == 0)
-
     def present(self, idents: Sequence[EntryId]) -> list[bool] | None:
         """Which entries exist (None: the tier did not answer)."""
         return self._exist([entry_name(ident) for ident in idents])
 
-    def get(self, ident: EntryId) -> RemoteEntry | None:
-        """The entry, checked (a value that fails the checks is removed); None if absent."""
-        name = entry_name(ident)
-        value = self._store.get(name)
-        if not value:
-            return None
-        entry = decode_entry(ident, value)
-        if entry is None:
-            self.error = f"{name} failed its checks; removed"
-            self._store.remove(name, True)
-        return entry
+    def get(self, idents: Sequence[EntryId]) -> list[RemoteEntry | None]:
+        """The entries, checked (a value that fails the checks is removed); None where absent."""
+        if not idents:
+            return []
+        names = [entry_name(ident) for ident in idents]
+        entries: list[RemoteEntry | None] = []
+        for ident, name, value in zip(idents, names, self._store.get_batch(names), strict=True):
+            entry = decode_entry(ident, value) if value else None
+            if value and entry is None:
+                self.error = f"{name} failed its checks; removed"
+                self._store.remove(name, True)
+            entries.append(entry)
+        return entries
 
     def put(self, ident: EntryId, payload: memoryview, crc: int, meta: bytes, pin: bool) -> bool:
         """Publish an entry (kept over unpinned ones under eviction when `pin`); False if the
         tier refused it (full) or failed."""
+        value = encode_entry(ident, payload, crc, meta)
         config = self._soft_pinned if pin else self._plain
-        return self._ok(
-            self._store.put(entry_name(ident), encode_entry(ident, payload, crc, meta), config)
-        )
+        return self._ok(self._store.put(entry_name(ident), value, config))
 
-    def latest_claim(self, ident: EntryId) -> ClaimRecord | None:
-        """The claim record with the highest generation, or None (none, or no answer)."""
-        first = 0
-        while True:
-            names = [claim_name(ident, g) for g in range(first, first + _GENERATIONS)]
+    def latest_claims(self, idents: Sequence[EntryId]) -> list[ClaimRecord | None] | None:
+        """Each key's claim record of the highest generation, or None where it has none (None
+        for all: the tier did not answer). A record that exists but cannot be read (the memory
+        it was in is gone with its lender) reads as one nobody beats, so it runs out."""
+        counts = [0] * len(idents)
+        open_ = list(range(len(idents)))  # keys whose every generation looked at so far exists
+        while open_:
+            first = counts[open_[0]]
+            names = [claim_name(idents[i], first + g) for i in open_ for g in range(_GENERATIONS)]
             found = self._exist(names)
             if found is None:
                 return None
-            count = found.index(False) if False in found else _GENERATIONS
-            if count < _GENERATIONS:
-                break
-            first += _GENERATIONS
-        if first + count == 0:
-            return None
-        generation = first + count - 1
-        # A record that exists but cannot be read (its memory's lender died) is a claim nobody
-        # beats: it runs out like one.
-        return self._record(ident, generation) or ClaimRecord("", -1, False, generation)
+            still = []
+            for n, i in enumerate(open_):
+                mine = found[n * _GENERATIONS : (n + 1) * _GENERATIONS]
+                counts[i] += mine.index(False) if False in mine else _GENERATIONS
+                if all(mine):
+                    still.append(i)
+            open_ = still
+        latest = [(i, count - 1) for i, count in enumerate(counts) if count]
+        if not latest:
+            return [None] * len(idents)
+        values = self._store.get_batch([claim_name(idents[i], g) for i, g in latest])
+        records: list[ClaimRecord | None] = [None] * len(idents)
+        for (i, generation), value in zip(latest, values, strict=True):
+            records[i] = _record(value, generation)
+        return records
 
-    def take_claim(self, ident: EntryId, generation: int, holder: str) -> bool:
-        """Try to take claim `generation`: True if this holder's record is the one kept."""
-        name = claim_name(ident, generation)
-        self._store.put(name, msgspec.msgpack.encode(ClaimRecord(holder)), self._plain)
-        record = self._record(ident, generation)
-        return record is not None and record.holder == holder
+    def take_claims(self, claims: Sequence[tuple[EntryId, int]], holder: str) -> list[bool]:
+        """Try to take each (key, generation): True where this holder's record is the one kept
+        (`put` keeps the first writer's)."""
+        if not claims:
+            return []
+        names = [claim_name(ident, generation) for ident, generation in claims]
+        value = msgspec.msgpack.encode(ClaimRecord(holder))
+        self._store.put_batch(names, [value] * len(names), self._plain)
+        kept = self._store.get_batch(names)
+        return [
+            (record := _record(v, g)).holder == holder and not record.released
+            for v, (_, g) in zip(kept, claims, strict=True)
+        ]
 
-    def beat(self, ident: EntryId, generation: int, holder: str, beat: int) -> bool:
-        record = ClaimRecord(holder, beat)
-        return self._ok(
-            self._store.upsert(
-                claim_name(ident, generation), msgspec.msgpack.encode(record), self._plain
-            )
-        )
+    def beat(self, claims: Sequence[tuple[EntryId, int, int]], holder: str) -> bool:
+        """Raise the beat of claims held here: (key, generation, beat)."""
+        names = [claim_name(ident, generation) for ident, generation, _ in claims]
+        values = [msgspec.msgpack.encode(ClaimRecord(holder, beat)) for _, _, beat in claims]
+        return self._ok(self._store.upsert_batch(names, values, self._plain))
 
     def release_claim(self, ident: EntryId, generation: int, holder: str) -> bool:
-        record = ClaimRecord(holder, released=True)
-        return self._ok(
-            self._store.upsert(
-                claim_name(ident, generation), msgspec.msgpack.encode(record), self._plain
-            )
-        )
+        record = msgspec.msgpack.encode(ClaimRecord(holder, released=True))
+        return self._ok(self._store.upsert(claim_name(ident, generation), record, self._plain))
 
     def forget_claims(self, ident: EntryId, through: int) -> None:
         """Remove claim records 0..through (the entry is published: they are history)."""
-        for generation in range(through + 1):
-            self._store.remove(claim_name(ident, generation), True)
+        self._store.batch_remove([claim_name(ident, g) for g in range(through + 1)], True)
 
     def close(self) -> None:
         self._store.close()
-
-    def _record(self, ident: EntryId, generation: int) -> ClaimRecord | None:
-        value = self._store.get(claim_name(ident, generation))
-        if not value:
-            return None
-        try:
-            record = msgspec.msgpack.decode(value, type=ClaimRecord)
-        except msgspec.DecodeError:
-            return None
-        return msgspec.structs.replace(record, generation=generation)
 
     def _exist(self, names: list[str]) -> list[bool] | None:
         answers = self._store.batch_is_exist(names)

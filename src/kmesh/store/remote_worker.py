@@ -2,12 +2,14 @@
 
 The store's own thread never waits on the network: it hands commands to `submit` and gets
 `Resolved` answers back through `deliver` (called on this thread; it must only queue and wake).
-- Resolve: entries found remotely are fetched (and checked); for each missing one this machine
-  tries to take the remote claim (generation 0, or the next one after a released or dead
-  claim); after taking it, it looks for the entry once more, since a machine that published
-  just before may have ended the claim the new one followed. A key another machine holds is
-  watched, every `poll` seconds, until it is published (fetched), its holder dies (by
-  remote_leases.py: the claim is taken over) or `watch` seconds pass (failed: computed here).
+- Resolve (one chain, in order): entries found remotely are fetched (and checked); for the
+  missing ones, from the first on, this machine takes the remote claims (generation 0, or the
+  next after a released or dead claim) in one batch, up to a key another machine holds alive:
+  that key and the rest wait with it, since a chain is computed front to back. After taking
+  claims it looks for their entries once more (a machine that published just before may have
+  ended the claim the new one followed). Waiting keys are watched every POLL_S seconds until
+  published (fetched), their holder dies (remote_leases.py: the claim is taken over) or `watch`
+  seconds pass (failed: computed here).
 - WriteThrough: the local segment's bytes are put remotely, then the claim records are removed.
 - Release: the claim record is marked released.
 - Claims held here are beaten every lease / 4 seconds.
@@ -99,7 +101,8 @@ class RemoteWorker:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._inbox: queue.Queue[Command | None] = queue.Queue()
         self._leases = ForeignLeases(lease)
-        self._busy: dict[EntryId, float] = {}  # watched key -> when watching it stops
+        self._watched: list[_Watched] = []  # chains other machines compute
+        self._next_watch = 0.0
         self._mine: dict[EntryId, list[int]] = {}  # claims held here: [generation, beat]
         self._down_until = 0.0
         self._next_beat = 0.0
@@ -127,27 +130,30 @@ class RemoteWorker:
                 return
             try:
                 self._step(command)
-            except Exception:  # a bug here must not stop the store: log it, keep serving
+            except Exception:  # a bug here must not stop the store: log it, compute locally
                 log.exception("kmesh store: the remote worker failed on %s", command)
+                if isinstance(command, Resolve) and command.idents:
+                    self.deliver(Resolved(failed=command.idents))
 
     def _step(self, command: Command) -> None:
         now = time.monotonic()
         match command:
             case Resolve(idents=idents) if idents:
-                self._send(self._resolve(list(idents), now))
+                self._send(self._resolve(idents, now))
             case WriteThrough():
                 self._write(command)
             case Release(ident=ident, claim=claim):
                 self._mine.pop(ident, None)
                 if not self._down(now):
                     self.tier.release_claim(ident, claim, self.holder)
-        if self._busy:
+        if self._watched and now >= self._next_watch and not self._down(now):
+            self._next_watch = now + POLL_S
             self._send(self._watch(now))
-        if self._mine and now >= self._next_beat:
+        if self._mine and now >= self._next_beat and not self._down(now):
             self._next_beat = now + self.lease / 4
-            for ident, mine in self._mine.items():
+            for mine in self._mine.values():
                 mine[1] += 1
-                self.tier.beat(ident, mine[0], self.holder, mine[1])
+            self.tier.beat([(i, g, b) for i, (g, b) in self._mine.items()], self.holder)
 
     def _send(self, resolved: Resolved) -> None:
         if resolved.fetched or resolved.claimed or resolved.busy or resolved.failed:
@@ -160,78 +166,83 @@ class RemoteWorker:
         log.warning("kmesh store: the remote tier did not answer (%s)", self.tier.error)
         self._down_until = now + BACKOFF_S
 
-    def _resolve(self, idents: list[EntryId], now: float) -> Resolved:
-        if self._down(now):
-            return Resolved(failed=tuple(idents))
-        present = self.tier.present(idents)
-        if present is None:
-            self._fail(now)
-            return Resolved(failed=tuple(idents))
+    def _resolve(self, chain: tuple[EntryId, ...], now: float) -> Resolved:
         answer = _Answer()
-        for ident, there in zip(idents, present, strict=True):
-            if not self._settle(ident, there, now, answer):
-                answer.busy.append(ident)
-                self._busy[ident] = now + self.watch
+        busy = None if self._down(now) else self._settle(chain, now, answer)
+        if busy is None:
+            self._fail(now)
+            return Resolved(failed=chain)
+        if busy:
+            answer.busy += busy
+            self._watched.append(_Watched(busy, now + self.watch))
         return answer.resolved()
 
     def _watch(self, now: float) -> Resolved:
         """Look again at the keys other machines hold."""
-        if self._down(now):
-            return Resolved()
-        idents = list(self._busy)
-        present = self.tier.present(idents)
-        if present is None:
-            self._fail(now)
-            return Resolved()
         answer = _Answer()
-        for ident, there in zip(idents, present, strict=True):
-            if not self._settle(ident, there, now, answer):
-                if now < self._busy[ident]:
-                    continue
-                answer.failed.append(ident)
-            del self._busy[ident]
-            self._leases.forget(ident)
+        watched, self._watched = self._watched, []
+        for index, item in enumerate(watched):
+            busy = self._settle(item.chain, now, answer)
+            if busy is None:
+                self._fail(now)
+                self._watched += watched[index:]
+                break
+            if busy and now >= item.until:
+                answer.failed += busy
+            elif busy:
+                self._watched.append(_Watched(busy, item.until))
+                continue
+            for ident in item.chain:
+                self._leases.forget(ident)
         return answer.resolved()
 
-    def _settle(self, ident: EntryId, there: bool, now: float, answer: "_Answer") -> bool:
-        """Fetch the key if it is published, else take its claim if it is free, released or
-        dead (then look for the entry once more); False while another machine holds it."""
-        entry = self.tier.get(ident) if there else None
-        if entry is None:
-            generation = self._claim(ident, now)
-            if generation is None:
-                return False
-            if self.tier.present([ident]) != [True]:
+    def _settle(
+        self, chain: tuple[EntryId, ...], now: float, answer: "_Answer"
+    ) -> tuple[EntryId, ...] | None:
+        """Fetch the chain's published keys; take the claims of the missing ones from the first
+        on, up to one another machine holds alive (a chain is computed front to back, so the
+        rest waits with it). Answers the keys still held elsewhere (None: no answer)."""
+        present = self.tier.present(chain)
+        if present is None:
+            return None
+        there = [ident for ident, found in zip(chain, present, strict=True) if found]
+        entries = dict(zip(there, self.tier.get(there), strict=True))
+        answer.fetched += [(i, e) for i, e in entries.items() if e is not None]
+        absent = [ident for ident in chain if entries.get(ident) is None]
+        records = self.tier.latest_claims(absent) if absent else []
+        if records is None:
+            return None
+        free = []
+        for ident, record in zip(absent, records, strict=True):
+            if record is None:
+                free.append((ident, 0))
+            elif (
+                record.released
+                or record.holder == self.holder
+                or self._leases.expired(ident, record.generation, record.beat, now)
+            ):
+                free.append((ident, record.generation + 1))
+            else:
+                break
+        won = [
+            c for c, ok in zip(free, self.tier.take_claims(free, self.holder), strict=True) if ok
+        ]
+        # A machine that published just now may have ended the claim a new one followed.
+        late = self.tier.present([ident for ident, _ in won]) if won else []
+        for (ident, generation), published in zip(won, late or [False] * len(won), strict=True):
+            if published:
+                self.tier.release_claim(ident, generation, self.holder)
+                [entry] = self.tier.get([ident])
+                if entry is None:
+                    answer.failed.append(ident)
+                else:
+                    answer.fetched.append((ident, entry))
+            else:
+                self._leases.forget(ident)
+                self._mine[ident] = [generation, 0]
                 answer.claimed.append((ident, generation))
-                return True
-            self._mine.pop(ident, None)
-            self.tier.release_claim(ident, generation, self.holder)
-            entry = self.tier.get(ident)
-            if entry is None:
-                answer.failed.append(ident)
-                return True
-        answer.fetched.append((ident, entry))
-        return True
-
-    def _claim(self, ident: EntryId, now: float) -> int | None:
-        """The generation of the key's remote claim, taken now; None while another machine
-        holds it (or another claimer got there first)."""
-        record = self.tier.latest_claim(ident)
-        if record is None:
-            generation = 0
-        elif (
-            record.released
-            or record.holder == self.holder
-            or self._leases.expired(ident, record.generation, record.beat, now)
-        ):
-            generation = record.generation + 1
-        else:
-            return None
-        if not self.tier.take_claim(ident, generation, self.holder):
-            return None
-        self._leases.forget(ident)
-        self._mine[ident] = [generation, 0]
-        return generation
+        settled = {ident for ident, _ in won}
+        return tuple(ident for ident in absent if ident not in settled)
 
     def _write(self, command: WriteThrough) -> None:
         mine = self._mine.pop(command.ident, None)
@@ -260,6 +271,12 @@ class RemoteWorker:
 
 
 _IDLE = Resolve(())  # no command this poll: only watch and beat
+
+
+@dataclass(frozen=True, slots=True)
+class _Watched:
+    chain: tuple[EntryId, ...]  # the keys still held elsewhere, in chain order
+    until: float  # when they are given up (failed: computed here)
 
 
 @dataclass(slots=True)

@@ -53,7 +53,7 @@ from kmesh.store.remote_front import RemoteFront, Resolved
 from kmesh.store.tier import CapacityError, EntryId, StoredEntry, Tier
 
 DEFAULT_LEASE_S = 60.0
-DEFAULT_REMOTE_WAIT_S = 5.0
+DEFAULT_REMOTE_WAIT_S = 2.0  # well under a client's default timeout (5 s)
 
 StoreSession = Session[EntryId, Acquire]
 Outbox = list[tuple[StoreSession, AnyAnswer]]
