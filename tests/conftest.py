@@ -2,6 +2,7 @@
 real store process per test (`python -m kmesh.cli store serve`, killed at teardown)."""
 
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,9 @@ def store_factory(short_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
         return store
 
     yield make
+    for store in started:  # all told at once: a store in front of a remote tier takes ~2 s
+        if store.process.poll() is None:
+            store.process.send_signal(signal.SIGTERM)
     for store in started:
         store.stop()
         assert "internal error" not in store.log_text(), store.log_text()

@@ -118,14 +118,31 @@ def test_a_waiter_on_another_machine_computes_once_the_leading_machine_dies(mach
             got = on_b.acquire(keys)
             assert got.waiting_on == keys[0] and not got.lead  # machine A computes it
             a.stop(signal.SIGKILL)  # the whole machine: its claims are beaten no more
-            started = time.monotonic()
             got = on_b.wait(keys, timeout=30)
             assert list(got.lead) == keys
-            assert time.monotonic() - started >= 0.9  # not before the lease ran out
             assert on_b.stats()["remote_claimed"] == 2
     finally:
         leader.kill()
         leader.join(5)
+
+
+def test_a_remote_claim_nobody_beats_runs_out_and_a_waiter_on_another_machine_takes_over(
+    machines, master
+):
+    [b] = machines(1, remote_lease=1.0)
+    keys = chain(2, seed=19)
+    silent = MooncakeTier(master.address, master.metadata, "127.0.0.1", 0)
+    try:  # a holder that took the claims and then hung: alive to Mooncake, silent to kmesh
+        assert silent.take_claims([((k, None), 0) for k in keys], "hung:1") == [True, True]
+        with b.client() as on_b:
+            started = time.monotonic()
+            got = on_b.acquire(keys)
+            assert got.waiting_on == keys[0]
+            got = on_b.wait(keys, timeout=30)
+            assert list(got.lead) == keys
+            assert time.monotonic() - started >= 1.0  # not before its lease ran out
+    finally:
+        silent.close()
 
 
 def test_a_leader_that_gives_up_hands_its_keys_to_the_other_machine_at_once(machines):
@@ -170,8 +187,8 @@ def _writes_through(a: StoreProcess, b: StoreProcess, keys: list[bytes]) -> bool
         return len(on_b.acquire(keys).hits) == len(keys)
 
 
-def test_a_corrupted_remote_value_is_dropped_and_recomputed(machines, master, short_dir):
-    a, b = machines()
+def test_a_corrupted_remote_value_is_dropped_and_recomputed(machines, master):
+    [b] = machines(1)
     [key] = chain(1, seed=17)
     payload = payload_for(key)
     rogue = MooncakeTier(master.address, master.metadata, "127.0.0.1", 0)
@@ -200,7 +217,7 @@ def test_a_full_remote_tier_refuses_writes_and_the_other_machine_computes(machin
         got = on_b.acquire(keys)
         while got.waiting_on is not None:
             got = on_b.wait(keys, timeout=10)
-        assert 0 < len(got.lead) and len(got.hits) < 8  # some did not fit remotely: computed
+        assert len(got.lead) > 0 and len(got.hits) < 8  # some did not fit remotely: computed
         assert all(
             read_digest(on_b, h) == digest(payload_for(k, size=size))
             for h, k in zip(got.hits, keys, strict=False)

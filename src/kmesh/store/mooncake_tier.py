@@ -131,6 +131,9 @@ class MooncakeTier:
                 "--enable_http_metadata_server=true?"
             )
         self._plain = ReplicateConfig()
+        self._claims = ReplicateConfig()  # in this machine's own memory, if it lends some:
+        if lend > 0:  # then a record dies with its holder, and a take never lands in dead memory
+            self._claims.preferred_segment = self._store.get_hostname()
         self._soft_pinned = ReplicateConfig()
         self._soft_pinned.soft_pin_action = type(self._soft_pinned.soft_pin_action).ENABLE
 
@@ -194,7 +197,7 @@ class MooncakeTier:
             return []
         names = [claim_name(ident, generation) for ident, generation in claims]
         value = msgspec.msgpack.encode(ClaimRecord(holder))
-        self._store.put_batch(names, [value] * len(names), self._plain)
+        self._store.put_batch(names, [value] * len(names), self._claims)
         kept = self._store.get_batch(names)
         return [
             (record := _record(v, g)).holder == holder and not record.released
@@ -205,11 +208,11 @@ class MooncakeTier:
         """Raise the beat of claims held here: (key, generation, beat)."""
         names = [claim_name(ident, generation) for ident, generation, _ in claims]
         values = [msgspec.msgpack.encode(ClaimRecord(holder, beat)) for _, _, beat in claims]
-        return self._ok(self._store.upsert_batch(names, values, self._plain))
+        return self._ok(self._store.upsert_batch(names, values, self._claims))
 
     def release_claim(self, ident: EntryId, generation: int, holder: str) -> bool:
         record = msgspec.msgpack.encode(ClaimRecord(holder, released=True))
-        return self._ok(self._store.upsert(claim_name(ident, generation), record, self._plain))
+        return self._ok(self._store.upsert(claim_name(ident, generation), record, self._claims))
 
     def forget_claims(self, ident: EntryId, through: int) -> None:
         """Remove claim records 0..through (the entry is published: they are history)."""

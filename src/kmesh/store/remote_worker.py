@@ -7,7 +7,9 @@ The store's own thread never waits on the network: it hands commands to `submit`
   next after a released or dead claim) in one batch, up to a key another machine holds alive:
   that key and the rest wait with it, since a chain is computed front to back. After taking
   claims it looks for their entries once more (a machine that published just before may have
-  ended the claim the new one followed). Waiting keys are watched every POLL_S seconds until
+  ended the claim the new one followed). A holder found dead on one key is dead on all; a
+  record that cannot be read (the memory it was in is gone) runs out like one nobody beats.
+  Waiting keys are watched every POLL_S seconds until
   published (fetched), their holder dies (remote_leases.py: the claim is taken over) or `watch`
   seconds pass (failed: computed here).
 - WriteThrough: the local segment's bytes are put remotely, then the claim records are removed.
@@ -212,15 +214,16 @@ class RemoteWorker:
         records = self.tier.latest_claims(absent) if absent else []
         if records is None:
             return None
-        free = []
+        free, dead = [], set()
         for ident, record in zip(absent, records, strict=True):
             if record is None:
                 free.append((ident, 0))
-            elif (
-                record.released
-                or record.holder == self.holder
-                or self._leases.expired(ident, record.generation, record.beat, now)
+            elif record.released or record.holder == self.holder:
+                free.append((ident, record.generation + 1))
+            elif record.holder in dead or self._leases.expired(
+                ident, record.generation, record.beat, now
             ):
+                dead.add(record.holder)
                 free.append((ident, record.generation + 1))
             else:
                 break
