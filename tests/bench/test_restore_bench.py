@@ -17,6 +17,20 @@ def test_restore_bench_and_singleflight_across_engine_processes():
     assert together["outputs_identical"]
 
 
+def test_restore_through_the_remote_tier_and_singleflight_across_two_machines():
+    report = run_restore_bench(TINY, [64], clients=4, tiers=("local", "remote"))
+    [row] = report["sizes"]
+    assert row["restored_remote_tokens"] == row["tokens"] == 64
+    assert row["remote_outputs_identical"]
+    assert row["restore_remote_seconds"] > 0 and row["recompute_over_restore_remote"] > 0
+    together = report["concurrency"]
+    assert together["local_tiers"] == 2
+    assert together["computed"] == 1 and together["restored"] == 3
+    assert together["outputs_identical"]
+
+
 def test_bad_sizes_are_refused():
     ran = run_kmesh("bench", "restore", "--tokens", "1024,lots", "--json", "/tmp/unused.json")
     assert ran.returncode == 2 and "--tokens" in ran.stderr and "Traceback" not in ran.stderr
+    ran = run_kmesh("bench", "restore", "--tiers", "remote,local", "--json", "/tmp/unused.json")
+    assert ran.returncode == 2 and "--tiers" in ran.stderr and "Traceback" not in ran.stderr

@@ -10,8 +10,12 @@ Per prompt size n (whole blocks of the model's KV, the engine's dtype):
   context).
 The stored blocks hold random values of the right layout: restoring does not look at values.
 
-Concurrency C: C engine processes send the same uncached prompt at once, each with the store:
-singleflight means exactly one computes and C - 1 restore, with identical outputs.
+With `tiers` local,remote, a remote hit (another machine's blocks through Mooncake Store) and a
+local hit after it are timed too, and the outputs compared (bench/restore_remote.py).
+
+Concurrency C: C engine processes send the same uncached prompt at once, each with a store (with
+the remote tier: half on each machine's store): singleflight means exactly one computes and
+C - 1 restore, with identical outputs.
 """
 
 import multiprocessing
@@ -29,6 +33,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from kmesh.bench.common import hardware
+from kmesh.bench.restore_remote import GREEDY_TOKENS, TwoMachines, remote_row
 from kmesh.compute.executor import Executor
 from kmesh.compute.loader import load_model
 from kmesh.compute.tiny import tiny_executor
@@ -80,7 +85,10 @@ def _publish_random_blocks(socket_path: str, engine: Engine, prompt: Sequence[in
 def _restore_shm(engine: Engine, prompt: tuple[int, ...]) -> tuple[float, int]:
     seq = EngineSequence.from_request(Request("restore", prompt, SamplingParams(max_tokens=1)))
     started = time.perf_counter()
-    if engine.kv.admit(seq) is not Admission.ADMITTED:
+    admission = engine.kv.admit(seq)
+    while admission is Admission.WAIT:  # the store is still fetching it from the remote tier
+        admission = engine.kv.admit(seq)
+    if admission is not Admission.ADMITTED:
         raise RuntimeError("the engine's cache cannot hold the prompt")
     seconds = time.perf_counter() - started
     restored = seq.num_restored
@@ -120,11 +128,16 @@ def _restore_socket(socket_path: str, engine: Engine, prompt: tuple[int, ...]) -
     return seconds
 
 
-def _recompute(executor: Executor, fingerprint: str, prompt: tuple[int, ...]) -> float:
+def _recompute(
+    executor: Executor, fingerprint: str, prompt: tuple[int, ...]
+) -> tuple[float, list[int]]:
+    """Seconds to prefill the prompt without a store, and its greedy continuation."""
     engine = Engine(executor, fingerprint, kv_cache_tokens=len(prompt) + 64)
     started = time.perf_counter()
     engine.generate([Request("recompute", prompt, SamplingParams(max_tokens=1))])
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    request = Request("continue", prompt, SamplingParams(max_tokens=GREEDY_TOKENS))
+    return seconds, list(engine.generate([request])[0].output_ids)
 
 
 def _client(
@@ -143,15 +156,18 @@ def _client(
 
 
 def concurrency(
-    model: str | None, socket_path: str, prompt: tuple[int, ...], clients: int
+    model: str | None, sockets: Sequence[str], prompt: tuple[int, ...], clients: int
 ) -> dict[str, Any]:
-    """`clients` engine processes, one prompt, one store: who computed, who restored."""
+    """`clients` engine processes, one prompt, spread over the stores `sockets` (one per
+    machine): who computed, who restored."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(clients)
     results = context.Queue()
     workers = [
-        context.Process(target=_client, args=(model, socket_path, prompt, barrier, results))
-        for _ in range(clients)
+        context.Process(
+            target=_client, args=(model, sockets[i % len(sockets)], prompt, barrier, results)
+        )
+        for i in range(clients)
     ]
     started = time.perf_counter()
     for worker in workers:
@@ -162,6 +178,7 @@ def concurrency(
     computed = sum(1 for restored, _, _ in answers if restored == 0)
     return {
         "clients": clients,
+        "local_tiers": len(sockets),
         "prompt_tokens": len(prompt),
         "computed": computed,
         "restored": clients - computed,
@@ -175,88 +192,156 @@ def run_restore_bench(
     sizes: Sequence[int],
     clients: int,
     progress: Callable[[str], None] = lambda _: None,
+    tiers: Sequence[str] = ("local",),
 ) -> dict[str, Any]:
     executor, fingerprint = load_executor(model)
     cfg = executor.config
     largest = max(sizes)
     block_bytes = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
     capacity = str(2 * blocks_for(largest, 16) * block_bytes + (64 << 20))
+    remote = "remote" in tiers
     rows = []
     with tempfile.TemporaryDirectory(prefix="kmr-") as directory:
         store = start_store(Path(directory), capacity)
+        machines = TwoMachines.start(Path(directory) / "remote", capacity) if remote else None
         try:
             for n in sizes:
                 progress(f"{n} tokens")
-                prompt = _prompt(n + 1, cfg.vocab_size, seed=n)
-                engine = Engine(executor, fingerprint, kv_cache_tokens=n + 64, store=store.socket)
-                blocks = _publish_random_blocks(store.socket, engine, prompt)
-                shm_seconds, restored = _restore_shm(engine, prompt)
-                socket_seconds = _restore_socket(store.socket, engine, prompt)
-                engine.close()
-                fits = n + 1 <= cfg.max_position
-                recompute = _recompute(executor, fingerprint, prompt) if fits else None
                 rows.append(
-                    {
-                        "tokens": n,
-                        "blocks": blocks,
-                        "restored_tokens": restored,
-                        "bytes": blocks * block_bytes,
-                        "restore_shm_seconds": round(shm_seconds, 4),
-                        "restore_socket_seconds": round(socket_seconds, 4),
-                        "recompute_seconds": None if recompute is None else round(recompute, 3),
-                        "recompute_note": None
-                        if fits
-                        else f"exceeds the model's {cfg.max_position}-token context",
-                        "recompute_over_restore_shm": None
-                        if recompute is None
-                        else round(recompute / shm_seconds, 1),
-                    }
+                    _size_row(executor, fingerprint, store.socket, machines, n, block_bytes)
                 )
-            progress(f"concurrency: {clients} engine processes, one {sizes[0]}-token prompt")
-            together = concurrency(
-                model, store.socket, _prompt(sizes[0] + 1, cfg.vocab_size, seed=-1), clients
+            sockets = [store.socket] if machines is None else machines.sockets
+            progress(
+                f"concurrency: {clients} engine processes on {len(sockets)} store(s), one "
+                f"{sizes[0]}-token prompt"
             )
+            prompt = _prompt(sizes[0] + 1, cfg.vocab_size, seed=-1)
+            together = concurrency(model, sockets, prompt, clients)
         finally:
             store.stop()
+            if machines is not None:
+                machines.stop()
     return {
         "hardware": hardware(),
         "note": (
-            "CPU figures are functional/trend results; restore copies real-sized blocks of "
-            "random values"
+            "CPU figures are functional/trend results; the local restore columns copy "
+            "real-sized blocks of random values, the remote ones the writer's real KV; the two "
+            "machines are two stores on this one, over loopback TCP"
         ),
-        "config": {"tokens": list(sizes), "concurrency": clients, "model": fingerprint},
+        "config": {
+            "tokens": list(sizes),
+            "concurrency": clients,
+            "tiers": list(tiers),
+            "model": fingerprint,
+        },
         "sizes": rows,
         "concurrency": together,
     }
 
 
+def _size_row(
+    executor: Executor,
+    fingerprint: str,
+    socket_path: str,
+    machines: TwoMachines | None,
+    n: int,
+    block_bytes: int,
+) -> dict[str, Any]:
+    cfg = executor.config
+    prompt = _prompt(n + 1, cfg.vocab_size, seed=n)
+    engine = Engine(executor, fingerprint, kv_cache_tokens=n + 64, store=socket_path)
+    blocks = _publish_random_blocks(socket_path, engine, prompt)
+    shm_seconds, restored = _restore_shm(engine, prompt)
+    socket_seconds = _restore_socket(socket_path, engine, prompt)
+    engine.close()
+    fits = n + 1 + GREEDY_TOKENS <= cfg.max_position
+    recompute, outputs = _recompute(executor, fingerprint, prompt) if fits else (None, None)
+    row: dict[str, Any] = {
+        "tokens": n,
+        "blocks": blocks,
+        "restored_tokens": restored,
+        "bytes": blocks * block_bytes,
+        "restore_shm_seconds": round(shm_seconds, 4),
+        "restore_socket_seconds": round(socket_seconds, 4),
+        "recompute_seconds": None if recompute is None else round(recompute, 3),
+        "recompute_note": None if fits else f"exceeds the model's {cfg.max_position}-token context",
+        "recompute_over_restore_shm": None
+        if recompute is None
+        else round(recompute / shm_seconds, 1),
+    }
+    if machines is not None and fits:
+        remote = remote_row(executor, fingerprint, machines, prompt, _block_keys, _restore_shm)
+        remote["remote_outputs_identical"] = (
+            remote.pop("remote_outputs_identical_to_writer") and remote["remote_outputs"] == outputs
+        )
+        del remote["remote_outputs"]
+        assert recompute is not None
+        remote["recompute_over_restore_remote"] = round(
+            recompute / remote["restore_remote_seconds"], 1
+        )
+        row.update(remote)
+    return row
+
+
 def print_restore(report: dict[str, Any], console: Console) -> None:
-    table = Table(
+    remote = "remote" in report["config"].get("tiers", ["local"])
+    columns = [
         Column("tokens", justify="right"),
         Column("MiB", justify="right"),
-        Column("restore shm s", justify="right"),
-        Column("restore socket s", justify="right"),
+        Column("local hit s", justify="right"),
+        Column("socket copy s", justify="right"),
+    ]
+    if remote:
+        columns += [
+            Column("remote hit s", justify="right"),
+            Column("local hit after s", justify="right"),
+        ]
+    columns += [
         Column("recompute s", justify="right"),
-        Column("recompute / shm", justify="right"),
-        title="bench restore: keyed state from the store vs computing it again",
-    )
+        Column("recompute / local", justify="right"),
+    ]
+    if remote:
+        columns += [
+            Column("recompute / remote", justify="right"),
+            Column("outputs", justify="right"),
+        ]
+    table = Table(*columns, title="bench restore: keyed state from the store vs computing it again")
     for row in report["sizes"]:
         recompute = row["recompute_seconds"]
-        table.add_row(
+        cells = [
             str(row["tokens"]),
             f"{row['bytes'] / 2**20:.0f}",
             f"{row['restore_shm_seconds']:.3f}",
             f"{row['restore_socket_seconds']:.3f}",
+        ]
+        if remote:
+            cells += [
+                _seconds(row.get("restore_remote_seconds")),
+                _seconds(row.get("restore_local_hit_seconds")),
+            ]
+        cells += [
             "n/a" if recompute is None else f"{recompute:.2f}",
             "n/a" if recompute is None else f"{row['recompute_over_restore_shm']:.0f}x",
-        )
+        ]
+        if remote:
+            over = row.get("recompute_over_restore_remote")
+            same = row.get("remote_outputs_identical")
+            cells += [
+                "n/a" if over is None else f"{over:.0f}x",
+                "n/a" if same is None else ("identical" if same else "DIFFER"),
+            ]
+        table.add_row(*cells)
     console.print(table)
     for row in report["sizes"]:
         if row["recompute_note"]:
             console.print(f"{row['tokens']} tokens: recompute n/a, {row['recompute_note']}")
     c = report["concurrency"]
     console.print(
-        f"concurrency: {c['clients']} engine processes, one {c['prompt_tokens']}-token prompt: "
-        f"{c['computed']} computed, {c['restored']} restored, outputs identical: "
-        f"{'yes' if c['outputs_identical'] else 'NO'}"
+        f"concurrency: {c['clients']} engine processes on {c['local_tiers']} local tier(s), one "
+        f"{c['prompt_tokens']}-token prompt: {c['computed']} computed, {c['restored']} restored, "
+        f"outputs identical: {'yes' if c['outputs_identical'] else 'NO'}"
     )
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

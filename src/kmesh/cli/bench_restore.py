@@ -21,8 +21,11 @@ def _bench_restore(args: argparse.Namespace) -> None:
         ) from None
     if any(n < 16 for n in sizes) or args.concurrency < 1:
         raise InvalidRequestError("--tokens sizes must be >= 16 and --concurrency >= 1")
+    tiers = args.tiers.split(",")
+    if tiers not in (["local"], ["local", "remote"]):
+        raise InvalidRequestError(f"--tiers takes local or local,remote; got {args.tiers!r}")
     console = Console(stderr=True)
-    report = run_restore_bench(args.model, sizes, args.concurrency, progress=console.log)
+    report = run_restore_bench(args.model, sizes, args.concurrency, console.log, tiers)
     print_restore(report, report_console())
     write_json(args.json, report)
 
@@ -34,6 +37,12 @@ def register(benches: Commands) -> None:
     restore.add_argument("--tokens", default="1024,4096,16384", help="prompt sizes")
     restore.add_argument(
         "--concurrency", type=int, default=8, help="engine processes asking for one prompt"
+    )
+    restore.add_argument(
+        "--tiers",
+        default="local",
+        help="local (one store), or local,remote: also two stores in front of a Mooncake Store "
+        "master, restoring one machine's blocks on the other (started on loopback ports)",
     )
     add_report_option(restore)
     add_model_option(restore)
