@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kmesh.state.keys import KeyNamespace, block_key, piece_key
+from kmesh.state.request_meta import RecoverySpec, RoundSpec
 from kmesh.store.group_state import (
     fetch,
     fetch_master,
@@ -23,6 +24,7 @@ from kmesh.store.mooncake_tier import MooncakeTier
 from kmesh.store.process import MasterProcess
 from kmesh.store.protocol import checksum
 from tests.conftest import StoreProcess
+from tests.engine.test_recovery import ASK, ROUND, sibling
 from tests.store.helpers import (
     SPAWN,
     chain,
@@ -260,3 +262,35 @@ def test_a_rounds_master_and_mirrors_written_on_one_machine_restore_bit_identica
         want_k, want_v = restore_piece(piece, master, CONFIG)
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
         assert on_b.stats()["remote_fetched"] == 2
+
+
+def test_engines_on_two_machines_share_a_rounds_master_and_restore_a_transcript(
+    machines, make_tiny_engine
+):
+    """Engine A (machine A) runs round 1's first sibling, publishing the master; engine B
+    (machine B) mirrors that master into the other siblings instead of building one. Then A runs
+    agent 1's round 2 (publishing its transcript) and B runs it again: B finds the transcript
+    through the remote tier and restores it, with A's greedy tokens."""
+    first_round = RecoverySpec(policy="none", gate=None, round=ROUND)
+    second_round = RecoverySpec(
+        policy="none", gate=None, round=RoundSpec(id="r2", segments=["c", "d"])
+    )
+    requests = [sibling(i, order, first_round) for i, order in enumerate(("ab", "ba", "ba"))]
+    one = make_tiny_engine().generate(requests)
+    a, b = machines(capacity="64M")
+    on_a, on_b = make_tiny_engine(store=a.socket), make_tiny_engine(store=b.socket)
+    try:
+        [built] = on_a.generate(requests[:1])
+        mirrored = on_b.generate(requests[1:])
+        [written] = on_a.generate([sibling(1, "ba", second_round, then="cd")])
+        [restored] = on_b.generate([sibling(1, "ba", second_round, then="cd")])
+    finally:
+        on_a.close()
+        on_b.close()
+    assert [o.output_ids for o in [built, *mirrored]] == [o.output_ids for o in one]
+    for out in mirrored:
+        assert out.stats.recovery is not None and out.stats.recovery["master_bytes"] == 0
+    assert restored.output_ids == written.output_ids
+    report = restored.stats.recovery
+    assert report is not None and report["restored_tokens"] > 0
+    assert report["computed_tokens"] == len(ASK) - 1

@@ -6,8 +6,16 @@ from collections.abc import Iterator
 import pytest
 
 from kmesh.store.mooncake_tier import RemoteEntry
-from kmesh.store.protocol import Acquired, HitInfo, Stats, StatsInfo
-from kmesh.store.remote_front import Release, RemoteFront, Resolve, Resolved, WriteThrough
+from kmesh.store.protocol import Acquired, Found, HitInfo, Lookup, Stats, StatsInfo
+from kmesh.store.remote_front import (
+    Probe,
+    Probed,
+    Release,
+    RemoteFront,
+    Resolve,
+    Resolved,
+    WriteThrough,
+)
 from kmesh.store.remote_leases import ForeignLeases
 from kmesh.store.state_machine import Store
 from kmesh.store.tier import SharedMemoryTier
@@ -110,3 +118,21 @@ def test_a_foreign_claim_is_dead_once_its_beat_stands_still_for_the_lease_by_our
     assert not leases.expired(ident, 0, 1, now=109.9)
     assert leases.expired(ident, 0, 1, now=109.95)
     assert not leases.expired(ident, 1, 0, now=110.0)  # a new generation: a new holder
+
+
+def test_a_lookup_adds_the_keys_the_remote_tier_holds_or_answers_the_local_ones_in_time(store):
+    keys = chain(3, seed=7)
+    writer, prober = store.open(), store.open()
+    _acquire(store, writer, [keys[2]])
+    store.remote_done(Resolved(claimed=(((keys[2], None), 0),)), now=0.0)
+    _publish(store, writer, keys[2])
+    _commands(store)
+    assert store.handle(prober, Lookup(keys, tenant=None), 1.0) == []
+    assert store.busy(prober)  # its next request waits for this answer
+    [probe] = _commands(store)
+    assert isinstance(probe, Probe) and probe.idents == ((keys[0], None), (keys[1], None))
+    out = store.remote_done(Probed(probe.probe, (False, True)), now=1.1)
+    assert out == [(prober, Found(present=[1, 2]))] and not store.busy(prober)
+    assert _stats(store).claims == 0  # a lookup claims nothing
+    assert store.handle(prober, Lookup(keys, tenant=None), 2.0) == []
+    assert store.expire(now=2.0 + store.remote_wait) == [(prober, Found(present=[2]))]

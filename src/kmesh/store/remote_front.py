@@ -10,6 +10,7 @@ A key absent from this machine's tier is looked for remotely before anyone here 
   first waiter is promoted and leads it, as on a plain miss; a key another machine is computing
   (`busy`) stays the proxy's until that machine publishes it or its lease runs out (the worker
   keeps watching); a key the remote tier could not answer for (`failed`) is released too;
+- a `lookup`'s local misses are `Probe`d remotely (claiming nothing) and answered `Probed`;
 - every entry a local leader publishes is written through (`WriteThrough`) at once, with the
   remote claim it held (which the write then ends); a remote claim held here whose local claim
   ended unpublished (or never began within `grace` seconds) is released (`Release`), so another
@@ -46,7 +47,21 @@ class Release:
     claim: int
 
 
-Command = Resolve | WriteThrough | Release
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Which of these keys the remote tier holds (a `lookup`'s local misses; claims nothing)."""
+
+    probe: int
+    idents: tuple[EntryId, ...]
+
+
+Command = Resolve | WriteThrough | Release | Probe
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    probe: int
+    found: tuple[bool, ...]  # all False if the remote tier did not answer
 
 
 @dataclass(frozen=True, slots=True)

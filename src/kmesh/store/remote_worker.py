@@ -14,6 +14,7 @@ The store's own thread never waits on the network: it hands commands to `submit`
   seconds pass (failed: computed here).
 - WriteThrough: the local segment's bytes are put remotely, then the claim records are removed.
 - Release: the claim record is marked released.
+- Probe: which keys exist remotely (none, if the tier does not answer).
 - Claims held here are beaten every lease / 4 seconds.
 After a call the remote tier does not answer, it is left alone for `backoff` seconds: every
 Resolve meanwhile fails at once (keys are computed here), writes are dropped.
@@ -32,7 +33,15 @@ from multiprocessing import shared_memory
 
 from kmesh.errors import InvalidRequestError
 from kmesh.store.mooncake_tier import MooncakeTier, RemoteEntry
-from kmesh.store.remote_front import Command, Release, Resolve, Resolved, WriteThrough
+from kmesh.store.remote_front import (
+    Command,
+    Probe,
+    Probed,
+    Release,
+    Resolve,
+    Resolved,
+    WriteThrough,
+)
 from kmesh.store.remote_leases import ForeignLeases
 from kmesh.store.tier import EntryId
 
@@ -78,7 +87,9 @@ def remote_config(master: str, metadata: str | None, lend: int, lease: float) ->
     return RemoteConfig(master, url, own, lend, lease)
 
 
-def start_worker(config: RemoteConfig, deliver: Callable[[Resolved], None]) -> "RemoteWorker":
+def start_worker(
+    config: RemoteConfig, deliver: Callable[[Resolved | Probed], None]
+) -> "RemoteWorker":
     """Join the remote tier (RemoteUnavailable if it cannot) and start a worker on it."""
     tier = MooncakeTier(config.master, config.metadata, config.hostname, config.lend)
     worker = RemoteWorker(tier, config.lease, config.watch, deliver)
@@ -94,7 +105,7 @@ class RemoteWorker:
         tier: MooncakeTier,
         lease: float,
         watch: float,
-        deliver: Callable[[Resolved], None],
+        deliver: Callable[[Resolved | Probed], None],
     ) -> None:
         self.tier = tier
         self.lease = lease
@@ -144,6 +155,11 @@ class RemoteWorker:
                 self._send(self._resolve(idents, now))
             case WriteThrough():
                 self._write(command)
+            case Probe(probe=probe, idents=idents):
+                found = None if self._down(now) else self.tier.present(idents)
+                if found is None:
+                    self._fail(now)
+                self.deliver(Probed(probe, tuple(found or [False] * len(idents))))
             case Release(ident=ident, claim=claim):
                 self._mine.pop(ident, None)
                 if not self._down(now):

@@ -34,7 +34,7 @@ from kmesh.store.protocol import (
     encode_frame,
     take_frame,
 )
-from kmesh.store.remote_front import RemoteFront, Resolved
+from kmesh.store.remote_front import Probed, RemoteFront, Resolved
 from kmesh.store.remote_worker import RemoteConfig, RemoteWorker, start_worker
 from kmesh.store.state_machine import DEFAULT_LEASE_S, Outbox, Store, StoreSession
 from kmesh.store.tier import SharedMemoryTier
@@ -94,7 +94,9 @@ class StoreServer:
         remote: RemoteConfig | None = None,
     ) -> None:
         self.path = Path(socket_path)
-        self._resolved: deque[Resolved] = deque()  # the remote worker's answers, not yet applied
+        self._resolved: deque[Resolved | Probed] = (
+            deque()
+        )  # the remote worker's answers, not yet applied
         self._worker: RemoteWorker | None = None
         front = None
         if remote is not None:
@@ -121,7 +123,7 @@ class StoreServer:
         with contextlib.suppress(OSError):  # a wake-up is already pending, or we are closed
             self._wake_out.send(b"\0")
 
-    def _arrived(self, resolved: Resolved) -> None:
+    def _arrived(self, resolved: Resolved | Probed) -> None:
         """The remote worker's answer (on its thread): queue it and wake the loop."""
         self._resolved.append(resolved)
         self._wake()
@@ -204,7 +206,7 @@ class StoreServer:
 
     def _pump(self, conn: _Connection) -> bool:
         """Handle the connection's next buffered request, if it may have one now."""
-        if conn.dead or conn.outbuf or conn.session.waiting is not None:
+        if conn.dead or conn.outbuf or self.store.busy(conn.session):
             return False
         try:
             body = take_frame(conn.inbuf)

@@ -17,8 +17,12 @@ names only subdivides its key's (tenant_salt), so no client can name another key
 With a remote tier (`remote`, remote_front.py), an acquire's locally missing keys are first claimed
 by the front's proxy session and looked up remotely; the asker waits on the proxy (for at least
 `remote_wait` seconds, even if it asked not to wait: a remote lookup is part of a lookup) and then
-sees a hit (fetched) or leads (nobody has it). Fed the worker's answers by `remote_done`.
+sees a hit (fetched) or leads (nobody has it). A `lookup` also names the keys the remote tier holds
+(asked of it, claiming nothing; answered with what is local after `remote_wait`). Fed the worker's
+answers by `remote_done`.
 """
+
+from dataclasses import dataclass
 
 import msgspec
 
@@ -49,7 +53,7 @@ from kmesh.store.protocol import (
     Stats,
     StatsInfo,
 )
-from kmesh.store.remote_front import RemoteFront, Resolved
+from kmesh.store.remote_front import Probe, Probed, RemoteFront, Resolved
 from kmesh.store.tier import CapacityError, EntryId, StoredEntry, Tier
 
 DEFAULT_LEASE_S = 60.0
@@ -82,6 +86,8 @@ class Store:
         self.remote = remote
         self.remote_wait = remote_wait
         self._proxy = self.flight.open()  # leads the keys being looked up remotely
+        self._probes: dict[int, _Probe] = {}  # lookups waiting for the remote tier
+        self._next_probe = 0
 
     @property
     def sessions(self) -> set[StoreSession]:
@@ -108,7 +114,15 @@ class Store:
                 out += self._answers(self.flight.acquire(session, idents, request, deadline, now))
             case Lookup(keys=keys, tenant=tenant):
                 present = [i for i, k in enumerate(keys) if self.tier.lookup((k, tenant))]
-                out.append((session, Found(present=present)))
+                missing = [i for i in range(len(keys)) if i not in set(present)]
+                if self.remote is None or not missing:
+                    out.append((session, Found(present=present)))
+                else:
+                    self._next_probe += 1
+                    probe = _Probe(session, present, missing, now + self.remote_wait)
+                    self._probes[self._next_probe] = probe
+                    probed = tuple((keys[i], tenant) for i in missing)
+                    self.remote.commands.append(Probe(self._next_probe, probed))
             case Reserve(key=key, tenant=tenant, size=size):
                 out.append((session, self._reserve(session, (key, tenant), size, now, out)))
             case Commit():
@@ -131,8 +145,17 @@ class Store:
                 out.append((session, Done()))
         return out
 
+    def busy(self, session: StoreSession) -> bool:
+        """Whether the session awaits an answer (a waiting acquire, a lookup probing remotely):
+        its next request is not taken before."""
+        return session.waiting is not None or any(
+            p.session is session for p in self._probes.values()
+        )
+
     def close(self, session: StoreSession, now: float) -> Outbox:
         """The session's connection is gone: stop its wait, release its pins and claims."""
+        for number in [n for n, p in self._probes.items() if p.session is session]:
+            del self._probes[number]
         self.pins.close_all(session)
         self._tenants.pop(session, None)
         return self._answers(self.flight.close(session, now))
@@ -146,14 +169,20 @@ class Store:
                 i for i in self.remote.held if self.flight.leader(i) not in (None, self._proxy)
             }
             self.remote.tick(leaders, now)
-        return self._answers(self.flight.expire(now))
+        out: Outbox = []
+        for number in [n for n, p in self._probes.items() if p.deadline <= now]:
+            out.append(self._probes.pop(number).answer(()))  # the local answer, in time
+        return out + self._answers(self.flight.expire(now))
 
-    def remote_done(self, resolved: Resolved, now: float) -> Outbox:
-        """The remote worker's answer: fetched entries published here by the proxy, claimed and
-        failed keys released to local waiters, waiters that asked not to wait on another machine
-        answered."""
+    def remote_done(self, resolved: Resolved | Probed, now: float) -> Outbox:
+        """The remote worker's answer: a probing lookup answered; fetched entries published here
+        by the proxy, claimed and failed keys released to local waiters, waiters that asked not
+        to wait on another machine answered."""
         assert self.remote is not None
         out: Outbox = []
+        if isinstance(resolved, Probed):
+            probe = self._probes.pop(resolved.probe, None)
+            return [] if probe is None else [probe.answer(resolved.found)]
         counts = self.remote.counts
         release = [ident for ident, _ in resolved.claimed] + list(resolved.failed)
         for ident, entry in resolved.fetched:
@@ -180,7 +209,9 @@ class Store:
         return out
 
     def next_deadline(self) -> float | None:
-        return self.flight.next_deadline()
+        deadlines = [p.deadline for p in self._probes.values()]
+        flight = self.flight.next_deadline()
+        return min(deadlines + ([] if flight is None else [flight]), default=None)
 
     def _resolve(self, idents: list[EntryId], request: Acquire, now: float) -> bool:
         """Claim the chain's locally missing, unclaimed keys for the proxy and ask the remote
@@ -278,6 +309,20 @@ class Store:
                 else {f"remote_{k}": v for k, v in self.remote.counts.items()}
             ),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """A lookup whose local misses the remote tier is asked about."""
+
+    session: StoreSession
+    present: list[int]  # indices published locally
+    missing: list[int]  # indices probed remotely, in order
+    deadline: float  # answered with what is local by then
+
+    def answer(self, found: tuple[bool, ...]) -> tuple[StoreSession, AnyAnswer]:
+        remote = [i for i, there in zip(self.missing, found, strict=False) if there]
+        return self.session, Found(present=sorted(self.present + remote))
 
 
 def _not_leader() -> Refused:
