@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from kmesh.store.process import free_ports
 from tests.conftest import run_kmesh
 from tests.store.helpers import chain, payload_for
 
@@ -53,3 +54,27 @@ def test_a_signal_stops_the_store_and_removes_its_socket_and_segments(store, sig
     assert not Path(store.socket).exists()
     assert not (SHM / hit.name).exists()
     assert "Traceback" not in store.log_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--remote", "nohost"], "--remote takes the master's HOST:PORT"),
+        (["--remote", "127.0.0.1:1", "--remote-lend", "1M"], "--remote-lend must be 0"),
+        (["--remote", "127.0.0.1:1", "--remote-lease", "0"], "--remote-lease must be positive"),
+    ],
+)
+def test_bad_remote_flags_exit_2_with_one_clear_line(short_dir, flags, message):
+    socket = str(short_dir / "s")
+    result = run_kmesh("store", "serve", "--socket", socket, "--capacity", "1M", *flags)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not (short_dir / "s").exists()
+
+
+def test_a_store_whose_remote_master_is_not_there_says_so_and_exits(short_dir):
+    [port] = free_ports(1)
+    remote = ["--remote", f"127.0.0.1:{port}", "--remote-metadata", f"http://127.0.0.1:{port}/m"]
+    socket = str(short_dir / "s")
+    result = run_kmesh("store", "serve", "--socket", socket, "--capacity", "16M", *remote)
+    assert result.returncode == 2 and "cannot join the Mooncake Store" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not (short_dir / "s").exists()

@@ -19,9 +19,11 @@ keeps the last error's text.
 """
 
 import hashlib
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -97,6 +99,17 @@ def decode_entry(ident: EntryId, value: bytes) -> RemoteEntry | None:
     return RemoteEntry(payload, header.checksum, header.meta)
 
 
+def _check_reachable(what: str, address: str) -> None:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+    except (OSError, ValueError) as error:
+        raise RemoteUnavailable(
+            f"cannot join the Mooncake Store: its {what} at {address} does not answer ({error}); "
+            "start mooncake_master there with --enable_http_metadata_server=true"
+        ) from None
+
+
 def _record(value: bytes, generation: int) -> ClaimRecord:
     """The claim record in `value`; one nobody beats if it cannot be read."""
     try:
@@ -121,6 +134,8 @@ class MooncakeTier:
     ) -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
+        for what, address in (("master", master), ("metadata server", urlsplit(metadata).netloc)):
+            _check_reachable(what, address)  # Mooncake itself retries for minutes
         self.error = ""
         self._store: Any = MooncakeDistributedStore()
         code = self._store.setup(local_hostname, metadata, lend, buffer, "tcp", "", master)

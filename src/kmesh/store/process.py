@@ -40,7 +40,7 @@ class MasterProcess:
     """A mooncake_master on loopback: RPC at `address`, HTTP metadata at `metadata`."""
 
     directory: Path
-    ports: tuple[int, ...] = field(default_factory=lambda: _free_ports(3))
+    ports: tuple[int, ...] = field(default_factory=lambda: free_ports(3))
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -82,7 +82,7 @@ class MasterProcess:
                 self.process.wait(10)
 
 
-def _free_ports(count: int) -> tuple[int, ...]:
+def free_ports(count: int) -> tuple[int, ...]:
     sockets = [socket.socket() for _ in range(count)]
     try:
         for sock in sockets:
