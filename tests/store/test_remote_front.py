@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 
 from kmesh.store.mooncake_tier import RemoteEntry
-from kmesh.store.protocol import Acquired, Found, HitInfo, Lookup, Stats, StatsInfo
+from kmesh.store.protocol import Acquired, Found, HitInfo, Lookup
 from kmesh.store.remote_front import (
     Probe,
     Probed,
@@ -20,7 +20,7 @@ from kmesh.store.remote_leases import ForeignLeases
 from kmesh.store.state_machine import Store
 from kmesh.store.tier import SharedMemoryTier
 from tests.store.helpers import chain
-from tests.store.test_state_machine import LEASE, _acquire, _publish
+from tests.store.test_state_machine import LEASE, _acquire, _publish, _stats
 
 GRACE = 3.0
 
@@ -35,12 +35,6 @@ def store() -> Iterator[Store]:
 def _commands(store: Store) -> list:
     assert store.remote is not None
     return store.remote.take_commands()
-
-
-def _stats(store: Store) -> StatsInfo:
-    [(_, stats)] = store.handle(store.open(), Stats(tenant=None), 0.0)
-    assert isinstance(stats, StatsInfo)
-    return stats
 
 
 def test_a_local_miss_waits_on_the_proxy_and_a_fetched_entry_answers_it_as_a_hit(store):

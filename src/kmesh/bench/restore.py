@@ -285,26 +285,11 @@ def _size_row(
 
 def print_restore(report: dict[str, Any], console: Console) -> None:
     remote = "remote" in report["config"].get("tiers", ["local"])
-    columns = [
-        Column("tokens", justify="right"),
-        Column("MiB", justify="right"),
-        Column("local hit s", justify="right"),
-        Column("socket copy s", justify="right"),
-    ]
-    if remote:
-        columns += [
-            Column("remote hit s", justify="right"),
-            Column("local hit after s", justify="right"),
-        ]
-    columns += [
-        Column("recompute s", justify="right"),
-        Column("recompute / local", justify="right"),
-    ]
-    if remote:
-        columns += [
-            Column("recompute / remote", justify="right"),
-            Column("outputs", justify="right"),
-        ]
+    names = ["tokens", "MiB", "local hit s", "socket copy s"]
+    names += ["remote hit s", "local hit after s"] if remote else []
+    names += ["recompute s", "recompute / local"]
+    names += ["recompute / remote", "outputs"] if remote else []
+    columns = [Column(name, justify="right") for name in names]
     table = Table(*columns, title="bench restore: keyed state from the store vs computing it again")
     for row in report["sizes"]:
         recompute = row["recompute_seconds"]
