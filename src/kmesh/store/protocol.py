@@ -228,6 +228,8 @@ class StatsInfo(Answer, frozen=True, tag="stats"):
     remote_busy: int = 0  # keys found being computed on another machine
     remote_failed: int = 0  # keys the remote tier could not answer for (computed here)
     remote_written: int = 0  # entries written through to the remote tier
+    remote_refused: int = 0  # write-throughs the remote tier refused (full) or failed
+    remote_pending: int = 0  # write-throughs not done yet
 
 
 class Error(Answer, frozen=True, tag="error"):

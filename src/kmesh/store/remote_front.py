@@ -12,7 +12,8 @@ A key absent from this machine's tier is looked for remotely before anyone here 
   keeps watching); a key the remote tier could not answer for (`failed`) is released too;
 - a `lookup`'s local misses are `Probe`d remotely (claiming nothing) and answered `Probed`;
 - every entry a local leader publishes is written through (`WriteThrough`) at once, with the
-  remote claim it held (which the write then ends); a remote claim held here whose local claim
+  remote claim it held (which the write then ends); the worker answers `Written` (stats count
+  the writes still pending, done and refused); a remote claim held here whose local claim
   ended unpublished (or never began within `grace` seconds) is released (`Release`), so another
   machine's waiter takes over without waiting for the lease.
 Write-through, not write-back: another machine may be waiting for the entry now, and an entry
@@ -59,6 +60,14 @@ Command = Resolve | WriteThrough | Release | Probe
 
 
 @dataclass(frozen=True, slots=True)
+class Written:
+    """A write-through ended: the entry is in the remote tier (or was refused: full, failed)."""
+
+    ident: EntryId
+    stored: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Probed:
     probe: int
     found: tuple[bool, ...]  # all False if the remote tier did not answer
@@ -90,7 +99,7 @@ class RemoteFront:
     commands: list[Command] = field(default_factory=list)
     counts: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
-            ("fetched", "claimed", "busy", "failed", "written"), 0
+            ("fetched", "claimed", "busy", "failed", "written", "refused", "pending"), 0
         )
     )
 
@@ -117,8 +126,12 @@ class RemoteFront:
         """A local leader published `ident`: write it through, ending any remote claim."""
         held = self.held.pop(ident, None)
         claim = None if held is None else held.claim
-        self.counts["written"] += 1
+        self.counts["pending"] += 1
         self.commands.append(WriteThrough(ident, segment, size, crc, meta, claim, pin))
+
+    def written(self, done: Written) -> None:
+        self.counts["pending"] -= 1
+        self.counts["written" if done.stored else "refused"] += 1
 
     def tick(self, leaders: set[EntryId], now: float) -> None:
         """Release remote claims whose local claim ended unpublished, or never began within

@@ -41,6 +41,7 @@ from kmesh.store.remote_front import (
     Resolve,
     Resolved,
     WriteThrough,
+    Written,
 )
 from kmesh.store.remote_leases import ForeignLeases
 from kmesh.store.tier import EntryId
@@ -88,7 +89,7 @@ def remote_config(master: str, metadata: str | None, lend: int, lease: float) ->
 
 
 def start_worker(
-    config: RemoteConfig, deliver: Callable[[Resolved | Probed], None]
+    config: RemoteConfig, deliver: Callable[[Resolved | Probed | Written], None]
 ) -> "RemoteWorker":
     """Join the remote tier (RemoteUnavailable if it cannot) and start a worker on it."""
     tier = MooncakeTier(config.master, config.metadata, config.hostname, config.lend)
@@ -105,7 +106,7 @@ class RemoteWorker:
         tier: MooncakeTier,
         lease: float,
         watch: float,
-        deliver: Callable[[Resolved | Probed], None],
+        deliver: Callable[[Resolved | Probed | Written], None],
     ) -> None:
         self.tier = tier
         self.lease = lease
@@ -264,29 +265,34 @@ class RemoteWorker:
         return tuple(ident for ident in absent if ident not in settled)
 
     def _write(self, command: WriteThrough) -> None:
+        stored = self._put(command)
+        self.deliver(Written(command.ident, stored))
+
+    def _put(self, command: WriteThrough) -> bool:
         mine = self._mine.pop(command.ident, None)
         if self._down(time.monotonic()):
-            return
+            return False
         try:
             segment = shared_memory.SharedMemory(command.segment)
         except FileNotFoundError:  # evicted locally before it could be written: nothing to do
             if mine is not None:
                 self.tier.release_claim(command.ident, mine[0], self.holder)
-            return
+            return False
         try:
             assert segment.buf is not None
             payload = segment.buf[: command.size]
-            written = self.tier.put(
+            stored = self.tier.put(
                 command.ident, payload, command.checksum, command.meta, command.pin
             )
             del payload
         finally:
             segment.close()
         if mine is not None:
-            if written:
+            if stored:
                 self.tier.forget_claims(command.ident, mine[0])
             else:  # refused (the remote tier is full): another machine may compute it
                 self.tier.release_claim(command.ident, mine[0], self.holder)
+        return stored
 
 
 _IDLE = Resolve(())  # no command this poll: only watch and beat

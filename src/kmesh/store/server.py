@@ -34,7 +34,7 @@ from kmesh.store.protocol import (
     encode_frame,
     take_frame,
 )
-from kmesh.store.remote_front import Probed, RemoteFront, Resolved
+from kmesh.store.remote_front import Probed, RemoteFront, Resolved, Written
 from kmesh.store.remote_worker import RemoteConfig, RemoteWorker, start_worker
 from kmesh.store.state_machine import DEFAULT_LEASE_S, Outbox, Store, StoreSession
 from kmesh.store.tier import SharedMemoryTier
@@ -94,7 +94,7 @@ class StoreServer:
         remote: RemoteConfig | None = None,
     ) -> None:
         self.path = Path(socket_path)
-        self._resolved: deque[Resolved | Probed] = (
+        self._resolved: deque[Resolved | Probed | Written] = (
             deque()
         )  # the remote worker's answers, not yet applied
         self._worker: RemoteWorker | None = None
@@ -123,7 +123,7 @@ class StoreServer:
         with contextlib.suppress(OSError):  # a wake-up is already pending, or we are closed
             self._wake_out.send(b"\0")
 
-    def _arrived(self, resolved: Resolved | Probed) -> None:
+    def _arrived(self, resolved: Resolved | Probed | Written) -> None:
         """The remote worker's answer (on its thread): queue it and wake the loop."""
         self._resolved.append(resolved)
         self._wake()

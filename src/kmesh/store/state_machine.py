@@ -53,7 +53,7 @@ from kmesh.store.protocol import (
     Stats,
     StatsInfo,
 )
-from kmesh.store.remote_front import Probe, Probed, RemoteFront, Resolved
+from kmesh.store.remote_front import Probe, Probed, RemoteFront, Resolved, Written
 from kmesh.store.tier import CapacityError, EntryId, StoredEntry, Tier
 
 DEFAULT_LEASE_S = 60.0
@@ -174,12 +174,15 @@ class Store:
             out.append(self._probes.pop(number).answer(()))  # the local answer, in time
         return out + self._answers(self.flight.expire(now))
 
-    def remote_done(self, resolved: Resolved | Probed, now: float) -> Outbox:
+    def remote_done(self, resolved: Resolved | Probed | Written, now: float) -> Outbox:
         """The remote worker's answer: a probing lookup answered; fetched entries published here
         by the proxy, claimed and failed keys released to local waiters, waiters that asked not
         to wait on another machine answered."""
         assert self.remote is not None
         out: Outbox = []
+        if isinstance(resolved, Written):
+            self.remote.written(resolved)
+            return out
         if isinstance(resolved, Probed):
             probe = self._probes.pop(resolved.probe, None)
             return [] if probe is None else [probe.answer(resolved.found)]
