@@ -148,6 +148,8 @@ class RemoteWorker:
                 log.exception("kmesh store: the remote worker failed on %s", command)
                 if isinstance(command, Resolve) and command.idents:
                     self.deliver(Resolved(failed=command.idents))
+                elif isinstance(command, WriteThrough):
+                    self.deliver(Written(command.ident, False))
 
     def _step(self, command: Command) -> None:
         now = time.monotonic()
@@ -182,8 +184,9 @@ class RemoteWorker:
         return now < self._down_until
 
     def _fail(self, now: float) -> None:
-        log.warning("kmesh store: the remote tier did not answer (%s)", self.tier.error)
-        self._down_until = now + BACKOFF_S
+        if not self._down(now):  # once per outage second, not once per key
+            log.warning("kmesh store: the remote tier did not answer (%s)", self.tier.error)
+            self._down_until = now + BACKOFF_S
 
     def _resolve(self, chain: tuple[EntryId, ...], now: float) -> Resolved:
         answer = _Answer()

@@ -15,7 +15,7 @@ connection's first request is a `hello` with a key (anything else, or an unknown
 names only subdivides its key's (tenant_salt), so no client can name another key's entries.
 
 With a remote tier (`remote`, remote_front.py), an acquire's locally missing keys are first claimed
-by the front's proxy session and looked up remotely; the asker waits on the proxy (for at least
+by the front's proxy session and looked up remotely; the asker waits on the proxy (up to
 `remote_wait` seconds, even if it asked not to wait: a remote lookup is part of a lookup) and then
 sees a hit (fetched) or leads (nobody has it). A `lookup` also names the keys the remote tier holds
 (asked of it, claiming nothing; answered with what is local after `remote_wait`). Fed the worker's
@@ -114,7 +114,8 @@ class Store:
                 out += self._answers(self.flight.acquire(session, idents, request, deadline, now))
             case Lookup(keys=keys, tenant=tenant):
                 present = [i for i, k in enumerate(keys) if self.tier.lookup((k, tenant))]
-                missing = [i for i in range(len(keys)) if i not in set(present)]
+                local = set(present)
+                missing = [i for i in range(len(keys)) if i not in local]
                 if self.remote is None or not missing:
                     out.append((session, Found(present=present)))
                 else:
