@@ -14,8 +14,11 @@ missing object answers b"".
   it, a beat counter the holder raises while it lives, and whether it was released. The latest
   record is the one with the highest generation. To take generation g, a claimer puts its record
   and reads it back: `put` keeps the first writer's, so exactly one claimer reads its own.
-Every call answers None / False / empty on a Mooncake error and never raises for one; `error`
-keeps the last error's text.
+  Records go to the claimer's own lent memory when it lends some (Mooncake's preferred segment):
+  they die with it, and a take never lands in a dead lender's memory.
+Joining raises RemoteUnavailable if the master or its metadata server does not answer; after
+that, every call answers None / False / empty on a Mooncake error and never raises for one;
+`error` keeps the last error's text.
 """
 
 import hashlib
