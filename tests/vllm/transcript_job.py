@@ -2,13 +2,16 @@
 `python tests/vllm/transcript_job.py OUT_DIR`. Writes OUT_DIR/result.json.
 
 A council of three agents (kmesh/workloads/allgather.py, the collective strategy's requests:
-segments, a family, each round declared) on one store. Instance A runs rounds 1 and 2 of every
-agent, then agent 1's round 3; A stops. Instance B, started fresh on the same store, runs agent
-1's round 3 again, then the same prompt under another salt.
+segments, a family, each round declared) on two "machines": two stores, each with its own
+shared memory tier, in front of one remote tier (a mooncake_master on loopback ports). Instance
+A, on store A, runs rounds 1 and 2 of every agent, then agent 1's round 3; A stops, and store A
+has written everything through. Instance B, started fresh on store B, runs agent 1's round 3
+again (its transcript comes through the remote tier), then the same prompt under another salt.
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +24,22 @@ def main(out_dir: Path) -> None:
 
     from kmesh.bench.allgather_config import AllGatherBenchConfig
     from kmesh.bench.strategy_requests import strategy_request
-    from kmesh.store.process import start_store
+    from kmesh.store import StoreClient
+    from kmesh.store.process import MasterProcess, start_store
     from kmesh.vllm.config import vllm_engine_kwargs
     from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, Council
 
     cfg = AllGatherBenchConfig(policy="none", gate=None)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS)
-    store = start_store(out_dir, capacity="1G")
+    master = MasterProcess(out_dir)
+    master.start()
+    stores = []
+    for name in ("a", "b"):
+        (out_dir / name).mkdir()
+        stores.append(start_store(out_dir / name, capacity="1G", remote=master, remote_lend="1G"))
     result: dict[str, Any] = {}
     try:
-        kwargs = vllm_engine_kwargs(store=store.socket, max_model_len=4096)
+        kwargs = vllm_engine_kwargs(store=stores[0].socket, max_model_len=4096)
 
         def run(llm: Any, r: int, prompts: list[Any], agents: list[int], salt: str = "") -> list:
             requests, params = [], []
@@ -62,13 +71,18 @@ def main(out_dir: Path) -> None:
         [result["first"]] = run(first, 2, last, [1])
         first.llm_engine.engine_core.shutdown()
         del first
+        with StoreClient(stores[0].socket) as client:
+            while client.stats()["remote_pending"]:  # A's pieces written through
+                time.sleep(0.05)
 
-        second = LLM(**kwargs)
+        second = LLM(**vllm_engine_kwargs(store=stores[1].socket, max_model_len=4096))
         [result["second"]] = run(second, 2, last, [1])
         [result["other_salt"]] = run(second, 2, last, [1], salt=":another")
         second.llm_engine.engine_core.shutdown()
     finally:
-        store.stop()
+        for store in stores:
+            store.stop()
+        master.stop()
     (out_dir / "result.json").write_text(json.dumps(result))
 
 
