@@ -203,8 +203,10 @@ def run_restore_bench(
     rows = []
     with tempfile.TemporaryDirectory(prefix="kmr-") as directory:
         store = start_store(Path(directory), capacity)
-        machines = TwoMachines.start(Path(directory) / "remote", capacity) if remote else None
+        machines = None
         try:
+            if remote:
+                machines = TwoMachines.start(Path(directory) / "remote", capacity)
             for n in sizes:
                 progress(f"{n} tokens")
                 rows.append(
