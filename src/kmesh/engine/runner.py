@@ -10,12 +10,8 @@ from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.requests import (
-    DEFAULT_RECOVERY_BYTES,
-    RecoveredRows,
-    RequestRecovery,
-    SharedState,
-)
+from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RecoveredRows, RequestRecovery
+from kmesh.recovery.shared import SharedState
 
 
 class ModelRunner:

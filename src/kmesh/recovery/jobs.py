@@ -7,7 +7,7 @@ job in its scheduler half and runs it in its worker half; the reference engine b
 in its runner. Each engine reads a job's exact prefix back from its own pages (a PrefixReader).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,9 +87,24 @@ class RecoveryReport:
     # claimed rows taken as they were from a kept tail continuing the prefix (prefix_tails.py)
     tail_tokens: int = 0
     # claimed rows restored from the store: the transcript another job published
-    # (kmesh/store/transcripts.py), and the bytes read for them
+    # (recovery/shared.py), and the bytes read for them
     restored_tokens: int = 0
     restored_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredRows:
+    """What recovering one job gave: its report and the rows to write."""
+
+    report: RecoveryReport
+    # Rows [start, end) to write, None when the gate left them to the engine's own prefill.
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    mirrors: RoundMirrors | None = None  # a round job's, for publishing its transcript
+
+
+# Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
+Writer = Callable[[RecoveryJob, RecoveredRows], None]
 
 
 @dataclass(frozen=True, slots=True)

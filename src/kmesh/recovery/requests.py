@@ -34,23 +34,13 @@ What a RequestRecovery keeps (stored segments, masters, common contexts) is boun
 reader, a dropped master rebuilt by the round's next sibling, a dropped common context restarted
 from the family's leading shared segments.
 
-Shared (`share`, a SharedState: the store, kmesh/store/shared_state.py), state goes beyond
-this engine:
-- rounds' masters: one it builds is published, and a round whose master it lacks looks there
-  first, so the siblings of a round spread over several engines (vLLM instances, reference
-  engines) mirror the one master the first of them built, as if they ran on one;
-- jobs' transcripts (kmesh/store/transcripts.py): a job with segments first restores the rows of
-  its transcript the store holds past its start (published by an earlier job of any engine: the
-  same rows, bit for bit) and recovers only the rest; once its rows are written, it publishes its
-  own transcript's new rows (its mirrors of the round's master where they give those rows back).
-  A kept tail reaching as far wins (no read): a member's tail and its piece are the same rows,
-  both kept from the job that recovered them;
-- first readers' segments (segment_store.py).
+Shared (`share`, a SharedState: shared.py, implemented by the store), state goes beyond this
+engine: rounds' masters (a round whose master it lacks looks there first), jobs' transcripts
+(continuations.py: a job restores what an earlier job of any engine published, and publishes its
+own new rows), first readers' segments (segment_store.py).
 """
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
 
 import torch
 
@@ -58,68 +48,24 @@ from kmesh.compute.executor import DenseKV, Executor
 from kmesh.kv.master_mirror import Master
 from kmesh.recovery.collective import MASTER_BLOCK, SiblingInput, blank_kv, recover_round
 from kmesh.recovery.common_master import CommonMasters
+from kmesh.recovery.continuations import Continuations
 from kmesh.recovery.jobs import (
     PrefixReader,
+    RecoveredRows,
     RecoveryJob,
     RecoveryReport,
     RoundKey,
     RoundMirrors,
+    Writer,
 )
 from kmesh.recovery.ledger import Held, HeldMaster, HeldSegment, HeldTail, Ledger
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
-from kmesh.recovery.segment_store import Placed, SegmentStore, SharedSegments
-
-if TYPE_CHECKING:
-    from kmesh.store.transcripts import Chain, Restored
+from kmesh.recovery.segment_store import Placed, SegmentStore
+from kmesh.recovery.shared import Restored, SharedMasters, SharedState
 
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveredRows:
-    """What recovering one job gave: its report and the rows to write."""
-
-    report: RecoveryReport
-    # Rows [start, end) to write, None when the gate left them to the engine's own prefill.
-    k: torch.Tensor | None
-    v: torch.Tensor | None
-    mirrors: RoundMirrors | None = None  # a round job's, for publishing its transcript
-
-
-# Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
-Writer = Callable[[RecoveryJob, RecoveredRows], None]
-
-
-class SharedMasters(Protocol):
-    """Rounds' masters shared beyond one engine, by round and the round's segments' tokens (in
-    its canonical order); `master_choice` tells masters built differently apart."""
-
-    def get(self, key: RoundKey, master_choice: str, tokens: Sequence[int]) -> Master | None: ...
-
-    def put(
-        self, key: RoundKey, master_choice: str, tokens: Sequence[int], master: Master
-    ) -> None: ...
-
-
-class SharedTranscripts(Protocol):
-    """Jobs' transcripts shared beyond one engine (see the module docstring)."""
-
-    def restore(self, job: RecoveryJob, have: int) -> "Restored": ...
-
-    def publish(
-        self, job: RecoveryJob, chain: "Chain", pages: PrefixReader, mirrors: RoundMirrors | None
-    ) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SharedState:
-    """What recovery shares beyond one engine (the store: kmesh/store/shared_state.py)."""
-
-    masters: SharedMasters
-    transcripts: SharedTranscripts
-    segments: SharedSegments
 
 
 class RequestRecovery:
@@ -138,12 +84,12 @@ class RequestRecovery:
         self.executor = executor
         self.fingerprint = fingerprint
         self.ledger = Ledger(max_bytes)
-        self.tails = None if page_size is None else PrefixTails(fingerprint, page_size)
+        tails = None if page_size is None else PrefixTails(fingerprint, page_size)
+        self.continuations = Continuations(self.ledger, self._hold, tails)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons = CommonMasters(executor, self.segments, self.ledger, self._hold)
         self._masters: dict[RoundKey, Master] = {}
         self.shared_masters: SharedMasters | None = None
-        self.transcripts: SharedTranscripts | None = None
         if shared is not None:
             self.share(shared)
 
@@ -151,7 +97,7 @@ class RequestRecovery:
         """Share rounds' masters, jobs' transcripts and first readers' segments beyond this
         engine (see the module docstring and segment_store.py)."""
         self.shared_masters = shared.masters
-        self.transcripts = shared.transcripts
+        self.continuations.transcripts = shared.transcripts
         self.segments.shared = shared.segments
 
     def run(
@@ -166,85 +112,24 @@ class RequestRecovery:
         outcomes: dict[str, RecoveredRows] = {}
         rounds: dict[RoundKey, list[RecoveryJob]] = {}
         restored: dict[str, Restored] = {}
+        steps = self.continuations
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
                 tails = TailPages(pages)
-                continued = self._continued(job, tails, restored)
-                outcome = self._per_request(continued, tails)
-                outcomes[job.request_id] = self._finish(job, outcome, tails, restored)
-                self._write(job, outcomes[job.request_id], pages, write, restored)
+                outcome = self._per_request(steps.continued(job, tails, restored), tails)
+                outcomes[job.request_id] = steps.finish(job, outcome, tails, restored)
+                steps.write(job, outcomes[job.request_id], pages, write, restored)
             else:
                 rounds.setdefault(RoundKey(job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
             tails = TailPages(pages)
-            resumed = [self._continued(job, tails, restored) for job in siblings]
+            resumed = [steps.continued(job, tails, restored) for job in siblings]
             done = self._round(key, resumed, tails)
             for job in siblings:
-                outcomes[job.request_id] = self._finish(job, done[job.request_id], tails, restored)
-                self._write(job, outcomes[job.request_id], pages, write, restored)
+                outcomes[job.request_id] = steps.finish(job, done[job.request_id], tails, restored)
+                steps.write(job, outcomes[job.request_id], pages, write, restored)
         return outcomes
-
-    def _continued(
-        self, job: RecoveryJob, tails: TailPages, restored: dict[str, "Restored"]
-    ) -> RecoveryJob:
-        """The job after the kept tail its prefix continues or, reaching further, its
-        transcript's rows restored from the store (filed in `restored`), those rows handed to
-        `tails` (which then serves them as prefix); the job itself without either."""
-        found = None if self.tails is None else self.tails.find(job)
-        if self.transcripts is not None and job.spans:
-            have = job.start if found is None else found[0]
-            got = restored[job.request_id] = self.transcripts.restore(job, have)
-            if got.k is not None and got.v is not None and got.chain.end > have:
-                tails.add(job, (got.k, got.v))
-                return replace(job, start=got.chain.end)
-        if found is None:
-            return job
-        end, rows = found
-        self.ledger.touch(HeldTail(job.tenant, tuple(job.token_ids[:end])))
-        tails.add(job, rows)
-        return replace(job, start=end)
-
-    def _finish(
-        self,
-        job: RecoveryJob,
-        outcome: RecoveredRows,
-        tails: TailPages,
-        restored: dict[str, "Restored"],
-    ) -> RecoveredRows:
-        """The outcome over the job's whole claim (restored or tail rows first), its tails
-        kept."""
-        tail = tails.of(job)
-        if tail is not None:
-            n = tail[0].shape[1]
-            got = restored.get(job.request_id)
-            if got is not None and got.k is tail[0]:
-                report = replace(outcome.report, restored_tokens=n, restored_bytes=got.nbytes)
-            else:
-                report = replace(outcome.report, tail_tokens=n)
-            if outcome.k is None or outcome.v is None:
-                return RecoveredRows(report, None, None)
-            k = torch.cat((tail[0], outcome.k), dim=1)
-            v = torch.cat((tail[1], outcome.v), dim=1)
-            outcome = RecoveredRows(report, k, v, outcome.mirrors)
-        if self.tails is not None and outcome.k is not None and outcome.v is not None:
-            for prefix, nbytes in self.tails.keep(job, outcome.k, outcome.v):
-                self._hold(HeldTail(job.tenant, prefix), nbytes)
-        return outcome
-
-    def _write(
-        self,
-        job: RecoveryJob,
-        outcome: RecoveredRows,
-        pages: PrefixReader,
-        write: Writer,
-        restored: dict[str, "Restored"],
-    ) -> None:
-        """Hand the outcome to the engine, then publish the job's transcript from its pages."""
-        write(job, outcome)
-        got = restored.get(job.request_id)
-        if self.transcripts is not None and got is not None and outcome.k is not None:
-            self.transcripts.publish(job, got.chain, pages, outcome.mirrors)
 
     # -- per request -----------------------------------------------------------------------
 
@@ -402,8 +287,7 @@ class RequestRecovery:
             elif isinstance(dropped, HeldMaster):
                 self._masters.pop(dropped.round, None)
             elif isinstance(dropped, HeldTail):
-                if self.tails is not None:
-                    self.tails.discard(dropped.tenant, dropped.prefix)
+                self.continuations.discard(dropped)
             else:
                 self._commons.discard(dropped.tenant, dropped.family)
 

@@ -11,14 +11,13 @@ an output's KV as its author generated it, per tenant, at canonical positions.
 
 A hit compares tokens (index/segment_index.py); state never crosses tenants. Bytes are bounded by
 the owner's ledger: every stored entry is held as a HeldSegment (tenant, tokens, context) and
-dropped through `discard`. With `shared` (the store: kmesh/store/shared_state.py), a first
+dropped through `discard`. With `shared` (shared.py, the store's), a first
 reader's segment is published there too, and one this engine lacks is read from there (and then
 held here) before a job computes it.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -27,6 +26,7 @@ from kmesh.index.segment_index import AUTHOR, FIRST_READER, TenantIndexes
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.ledger import Held, HeldSegment, Ledger
+from kmesh.recovery.shared import SharedSegments
 from kmesh.state.segments import Role
 
 
@@ -41,14 +41,6 @@ class Placed:
     @property
     def end(self) -> int:
         return self.start + self.k.shape[1]
-
-
-class SharedSegments(Protocol):
-    """First readers' segments shared beyond one engine, by tenant and tokens."""
-
-    def get(self, tenant: str | None, tokens: Sequence[int]) -> SegmentKV | None: ...
-
-    def put(self, tenant: str | None, tokens: Sequence[int], segment: SegmentKV) -> None: ...
 
 
 class SegmentStore:

@@ -18,7 +18,7 @@ from kmesh.compute.config import ModelConfig
 from kmesh.kv.master_mirror import Master
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.jobs import RoundKey
-from kmesh.recovery.requests import SharedState
+from kmesh.recovery.shared import SharedState
 from kmesh.state.keys import KeyNamespace, segment_key
 from kmesh.store.errors import StoreError
 from kmesh.store.group_state import (

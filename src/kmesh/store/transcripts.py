@@ -30,7 +30,6 @@ Every store failure is a miss or a piece not kept; the job computes what it lack
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +37,7 @@ import torch
 from kmesh.kv.master_mirror import Master
 from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RoundMirrors
 from kmesh.recovery.prefix_tails import boundaries
+from kmesh.recovery.shared import Chain, Restored
 from kmesh.state.keys import KeyNamespace, piece_key
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
@@ -59,31 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # Masters read from the store kept for the next restores (a round's members read the same one).
 MASTERS_KEPT = 2
-
-
-@dataclass(frozen=True, slots=True)
-class Chain:
-    """A transcript's pieces in the store, first to last."""
-
-    keys: tuple[bytes, ...] = ()
-    ends: tuple[int, ...] = ()  # each piece's end; a piece starts where the one before ends
-
-    @property
-    def end(self) -> int:
-        return self.ends[-1] if self.ends else 0
-
-    def then(self, key: bytes, end: int) -> "Chain":
-        return Chain((*self.keys, key), (*self.ends, end))
-
-
-@dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
-class Restored:
-    """What `restore` found: the chain (to publish after), and its rows after the job's start."""
-
-    chain: Chain
-    k: torch.Tensor | None  # [layers, chain.end - job.start, kv_heads, head_dim], None: no rows
-    v: torch.Tensor | None
-    nbytes: int = 0  # read from the store (pieces and masters)
 
 
 class StoreTranscripts:
