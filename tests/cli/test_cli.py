@@ -83,6 +83,17 @@ def test_a_prompt_longer_than_the_context_is_refused():
 
 
 @pytest.mark.model
+def test_max_tokens_past_the_context_is_refused():
+    result = kmesh("generate", "x", "--max-tokens", "1000000000")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "kmesh: error: max_tokens=1000000000 cannot be greater than the model's context of 8192 "
+        "tokens (prompt and output together). Please request fewer output tokens."
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.model
 def test_a_capacity_budget_below_one_request_is_refused_before_anything_runs():
     result = kmesh("bench", "capacity", "--budget-mib", "64", "--json", "x.json")
     assert result.returncode == 2

@@ -148,6 +148,12 @@ def test_bad_sampling_params_are_refused(options):
         SamplingParams(**options)
 
 
+def test_max_tokens_past_the_context_is_refused_not_clamped(make_tiny_engine):
+    params = SamplingParams(max_tokens=4097)
+    with pytest.raises(InvalidRequestError, match="max_tokens=4097 cannot be greater than the "):
+        make_tiny_engine().add_request(Request("r", (5, 6), params))
+
+
 def test_a_request_too_big_for_the_pool_is_refused_up_front(make_tiny_engine):
     engine = make_tiny_engine(block_size=8, kv_cache_tokens=32)
     with pytest.raises(OutOfBlocksError, match="kv_cache_tokens"):

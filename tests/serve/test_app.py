@@ -288,6 +288,30 @@ def test_a_bad_chat_body_is_a_400_that_says_what_is_wrong(client, body, message)
     assert message in refused(client, body, "/v1/chat/completions")["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**9, "n": 2}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 8193, "stream": True}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**9}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_completion_tokens": 10**9, "n": 3, "stream": True},
+            "max_completion_tokens",
+        ),
+    ],
+)
+def test_max_tokens_past_the_context_is_a_400_in_vllms_words(client, path, body, param):
+    error = refused(client, body, path)
+    asked = body[param]
+    assert error["message"] == (
+        f"{param}={asked} cannot be greater than max_model_len=8192. Please request fewer output "
+        "tokens."
+    )
+    assert error["param"] == param
+
+
 def test_an_error_names_the_field_at_fault(client):
     assert refused(client, {"prompt": "x", "top_p": 2})["param"] == "top_p"
     assert refused(client, {"prompt": "x", "kmesh": {"family": 3}})["param"] == "kmesh"

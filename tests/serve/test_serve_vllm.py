@@ -39,6 +39,12 @@ TRUNK = (
     + "\n\n"
 )
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# Output past the model's context (8192 tokens on both engines): a 400 before any work, as on
+# vLLM's own server, with its message; a stream and n > 1 too.
+PAST_CONTEXT = (
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**9, "n": 2, "stream": True}),
+)
 SUFFIXES = (
     "Question: which expedition took the most mules? Answer:",
     "Question: which town sent the first expedition? Answer:",
@@ -120,6 +126,10 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
                     stream=True,
                 )
             ]
+            headers = {"Authorization": f"Bearer {KEY_A}"}
+            with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+                past = [http.post(path, json={"model": MODEL, **b}) for path, b in PAST_CONTEXT]
+                results[f"{engine}-past-context"] = [(r.status_code, r.json()) for r in past]
             if engine == "vllm":  # the reference engine's: test_server_process.py, test_tenants.py
                 headers = {"Authorization": f"Bearer {KEY_A}"}
                 results["vllm-disconnect"] = disconnect_mid_stream(server.url, headers)
@@ -137,6 +147,18 @@ def test_a_client_that_closes_its_stream_frees_the_request(answers):
 
 def test_a_tenant_never_reuses_or_times_another_tenants_state(answers):
     check_tenancy(answers["vllm-tenancy"])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_max_tokens_past_the_context_is_a_400_in_vllms_words(answers, engine):
+    for status, body in answers[f"{engine}-past-context"]:
+        assert status == 400
+        error = body["error"]
+        assert error["param"] == "max_tokens"
+        assert error["message"] == (
+            "max_tokens=1000000000 cannot be greater than max_model_len=8192. Please request "
+            "fewer output tokens."
+        )
 
 
 def test_both_engines_give_the_same_greedy_texts(answers):

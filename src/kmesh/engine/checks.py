@@ -3,9 +3,10 @@
 `check_request` raises InvalidRequestError (or OutOfBlocksError) with what to change: stop strings
 need an engine that decodes, only a retained trunk may sample nothing, a prompt (other than a
 fork's) is not empty, recovery is declared on a prompt and not on a fork, the prompt fits the
-model's context and vocabulary, and the longest the request can grow fits the KV cache. What
-depends on the engine's state (ids in use, families, forks across tenants or adapters) is checked
-by the engine itself.
+model's context and vocabulary, max_tokens is not above the context (vLLM's server refuses that
+too; below it, generation ends where the context does), and the longest the request can grow
+fits the KV cache. What depends on the engine's state (ids in use, families, forks across tenants
+or adapters) is checked by the engine itself.
 """
 
 from collections.abc import Callable
@@ -53,6 +54,14 @@ def check_request(
             f"token id {bad[0]} is outside the model's vocabulary [0, {config.vocab_size})"
         )
     max_tokens = 0 if request.params is None else request.params.max_tokens
+    if max_tokens > config.max_position:
+        # NOTE: as vLLM's server does; up to the context, generation ends where the context does
+        # (finish_reason "length").
+        raise InvalidRequestError(
+            f"max_tokens={max_tokens} cannot be greater than the model's context of "
+            f"{config.max_position} tokens (prompt and output together). Please request fewer "
+            "output tokens."
+        )
     longest = min(n + max_tokens, config.max_position)
     if blocks_for(longest, block_size) > num_blocks:
         raise OutOfBlocksError(

@@ -36,6 +36,7 @@ from kmesh.serve.branches import ChoiceText, Piece, run_choices
 from kmesh.serve.errors import INTERNAL_ERROR, add_error_handlers, route_of
 from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
+from kmesh.serve.output_limit import check_max_tokens
 from kmesh.serve.schema import (
     CHAT,
     COMPLETION,
@@ -151,6 +152,7 @@ def create_app(
         request: Request, body: CompletionRequest, tenant: str | None = Depends(tenant)
     ) -> Response:
         _unknown(body, strict_fields)
+        check_max_tokens(body, backend.max_model_len)
         job = _of_tenant(completion_job(body, backend), tenant)
         return await _respond(backend, job, COMPLETION, body, request)
 
@@ -159,6 +161,7 @@ def create_app(
         request: Request, body: ChatCompletionRequest, tenant: str | None = Depends(tenant)
     ) -> Response:
         _unknown(body, strict_fields)
+        check_max_tokens(body, backend.max_model_len)
         job = _of_tenant(chat_job(body, backend, reuse_messages), tenant)
         return await _respond(backend, job, CHAT, body, request)
 
