@@ -41,6 +41,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def find(self, request_id: str) -> Sequence | None:
+        """The running or waiting sequence of a request, if any."""
+        for seq in (*self.running, *self.waiting):
+            if seq.request.request_id == request_id:
+                return seq
+        return None
+
     def schedule(self) -> ScheduledBatch:
         """Sequences to run now; each computes its tokens from num_computed to the end."""
         batch = ScheduledBatch()
