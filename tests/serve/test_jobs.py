@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
+from kmesh.serve.jobs import chat_job, completion_job
+from kmesh.serve.request_fields import RequestFieldError
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.model

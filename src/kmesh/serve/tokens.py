@@ -4,7 +4,7 @@ among them, call them): the same request and response fields, the served model's
 from typing import Any
 
 from kmesh.serve.backend import Backend
-from kmesh.serve.jobs import RequestFieldError, check_model
+from kmesh.serve.request_fields import RequestFieldError, check_model
 from kmesh.serve.schema import DetokenizeRequest, TokenizeRequest
 
 
