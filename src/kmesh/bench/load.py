@@ -5,7 +5,7 @@ On loopback only, bounded in time and count. The bench starts a store (`kmesh st
 OpenAI server (no connector, one API key; the plain mix only: the side-by-side reference for
 vLLM's own memory), then:
 
-1. soak: N client tasks send the mix of bench/load_traffic.py until `seconds` have passed; each
+1. soak: N client tasks send the mix of workloads/serve_traffic.py until `seconds` have passed; each
    exchange is timed (first token: the first content chunk of a stream, or the whole answer) and
    judged against its expectation. Every `sample_s` the server's RSS (its process and children:
    vLLM's engine core) and the store's bytes are sampled.
@@ -35,19 +35,13 @@ from typing import Any
 import httpx
 import psutil
 
-from kmesh.bench.load_traffic import (
-    KINDS,
-    PLAIN_KINDS,
-    Exchange,
-    encoded,
-    next_exchange,
-    round_member,
-)
+from kmesh.bench.load_client import ExchangeResult, send_exchange
 from kmesh.errors import InvalidRequestError
 from kmesh.serve.process import start_kmesh_serve, start_vllm_server
 from kmesh.store.client import StoreClient
 from kmesh.store.process import start_store
 from kmesh.vllm.config import vllm_engine_kwargs
+from kmesh.workloads.serve_traffic import KINDS, PLAIN_KINDS, Exchange, next_exchange, round_member
 
 KEY_A, KEY_B = "kmesh-load-key-a", "kmesh-load-key-b"
 VANILLA = "vllm-vanilla"
@@ -96,87 +90,6 @@ class LoadConfig:
         return (KEY_A,) if self.mix == "plain" else (KEY_A, KEY_B)
 
 
-@dataclass(slots=True)
-class ExchangeResult:
-    kind: str
-    status: int | None
-    failure: str | None
-    first_token_s: float | None
-    total_s: float
-    text: str | None = None
-
-
-async def _exchange(client: httpx.AsyncClient, exchange: Exchange) -> ExchangeResult:
-    """Send one exchange and judge it."""
-    started = time.perf_counter()
-    headers = {"Authorization": f"Bearer {exchange.key}", "Content-Type": "application/json"}
-    streamed = isinstance(exchange.body, dict) and exchange.body.get("stream")
-    first: float | None = None
-    try:
-        request = client.build_request(
-            "POST", exchange.path, content=encoded(exchange), headers=headers
-        )
-        response = await client.send(request, stream=True)
-        try:
-            status = response.status_code
-            if status != 200 or not streamed:
-                payload = await response.aread()
-                first = time.perf_counter() - started
-                text = _whole_text(payload) if status == 200 else None
-                failure = None
-            else:
-                text, failure, first = await _read_stream(response, exchange, started)
-        finally:
-            await response.aclose()
-    except httpx.HTTPError as error:
-        return ExchangeResult(
-            exchange.kind,
-            None,
-            f"transport: {type(error).__name__}",
-            None,
-            time.perf_counter() - started,
-        )
-    total = time.perf_counter() - started
-    if status >= 500:
-        failure = "http_5xx"
-    elif status not in exchange.expect:
-        failure = "unexpected_status"
-    return ExchangeResult(exchange.kind, status, failure, first, total, text)
-
-
-async def _read_stream(
-    response: httpx.Response, exchange: Exchange, started: float
-) -> tuple[str | None, str | None, float | None]:
-    """(text, failure, first-token seconds) of a stream read to its end, or closed early."""
-    pieces: list[str] = []
-    first: float | None = None
-    chunks = 0
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line.removeprefix("data: ")
-        if data == "[DONE]":
-            return "".join(pieces), None, first
-        chunk = json.loads(data)
-        if "error" in chunk:
-            return None, "http_5xx", first
-        if first is None:
-            first = time.perf_counter() - started
-        pieces += [
-            c.get("text") or c.get("delta", {}).get("content") or "" for c in chunk["choices"]
-        ]
-        chunks += 1
-        if exchange.read_chunks is not None and chunks >= exchange.read_chunks:
-            return None, None, first  # the client goes away
-    return None, "bad_stream", first
-
-
-def _whole_text(payload: bytes) -> str:
-    body = json.loads(payload)
-    texts = [c.get("text") if "text" in c else c["message"]["content"] for c in body["choices"]]
-    return "\x1e".join(texts)
-
-
 def _rss_mib(pid: int) -> dict[str, float]:
     """RSS in MiB of the process and each of its children, by "name pid", and their "total"."""
     process = psutil.Process(pid)
@@ -220,7 +133,7 @@ async def _soak(cfg: LoadConfig, url: str, pid: int, store: str | None, log: Any
             rng = random.Random(cfg.seed * 1000 + index)
             while time.monotonic() < deadline:
                 exchange = next_exchange(rng, cfg.keys, next(serial), cfg.kinds)
-                outcomes.append((exchange, await _exchange(client, exchange)))
+                outcomes.append((exchange, await send_exchange(client, exchange)))
 
         async def sampler() -> None:
             started = time.monotonic()
@@ -263,7 +176,7 @@ async def _cold_check(
             kmesh = body.get("kmesh")
             if kmesh is not None and "family" in kmesh:  # a family of its own, not the soak's
                 body["kmesh"] = {**kmesh, "family": f"cold-{uuid.uuid4().hex}"}
-            cold = await _exchange(
+            cold = await send_exchange(
                 client, Exchange(exchange.kind, exchange.path, body, exchange.key)
             )
             if cold.text != outcome.text:
@@ -299,7 +212,9 @@ async def _abandon(cfg: LoadConfig, url: str, pid: int, log: Any) -> dict[str, A
                         "max_tokens": 1,
                         "kmesh": {"family": f"abandoned-{i}", "branches": 4, "segments": segments},
                     }
-                outcome = await _exchange(client, Exchange("abandon", "/v1/completions", body, key))
+                outcome = await send_exchange(
+                    client, Exchange("abandon", "/v1/completions", body, key)
+                )
                 if outcome.failure:
                     failures[outcome.failure] += 1
                 if (i + 1) % every == 0:
