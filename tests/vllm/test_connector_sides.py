@@ -19,6 +19,7 @@ from kmesh.vllm.activated import ACTIVATION_FILE
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, LoadBlock, SaveBlock
 from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
+from kmesh.vllm.recovery_support import recovery_unavailable
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -282,6 +283,26 @@ def test_approximate_recovery_is_served_only_under_an_approximate_salt(store, sa
     assert scheduler.get_num_new_matched_tokens(req, 0) == (claimed, False)
     stats = finish(scheduler, req)
     assert ("refused" in stats.get("recovery", {})) == (claimed == 0)
+
+
+def test_an_engine_without_kmeshs_worker_refuses_recovery_up_front_and_says_why(store, caplog):
+    config = SimpleNamespace(
+        worker_cls="vllm.v1.worker.cpu_worker.CPUWorker", worker_extension_cls=""
+    )
+    reason = recovery_unavailable(config, LAYOUT)
+    assert reason is not None
+    with caplog.at_level("WARNING", logger="kmesh.vllm.scheduler_side"):
+        scheduler = SchedulerSide(store.socket, LAYOUT, "tiny-model", reason)
+    [warning] = [
+        r.getMessage() for r in caplog.records if "recovery is unavailable" in r.getMessage()
+    ]
+    assert "--worker-cls kmesh.vllm.worker.KMeshWorker" in warning
+    req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
+    assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (0, False)  # vLLM computes it
+    assert scheduler.build_connector_meta(NOTHING_SCHEDULED).recoveries == []
+    stats = finish(scheduler, req)
+    assert stats["recovery"] == {"refused": reason}
+    assert (stats["recovered_tokens"], stats["computed_tokens"]) == (0, len(PROMPT) - BLOCK)
 
 
 def claimed_for_recovery(store):

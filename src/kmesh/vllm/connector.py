@@ -8,7 +8,9 @@ vLLM makes one instance per role: the scheduler role (scheduler_side.py, with tr
 store_side.py: store traffic and families; recovery_claims.py; stats) and the worker role
 (worker_side.py: block copies; recovered rows from recovery.py, on the model the worker extension
 attaches: worker_extension.py).
-Without a store it only reports per-request stats (and recovers, if asked). Each finished
+Without a store it only reports per-request stats (and recovers, if asked). Recovery needs
+`--worker-cls kmesh.vllm.worker.KMeshWorker`: without it the scheduler role warns once at start
+and refuses every recovery, saying why (recovery_support.py). Each finished
 request's output carries `kv_transfer_params["kmesh"]` = {prompt_tokens, reused_tokens,
 restored_tokens, recovered_tokens, computed_tokens, family, `recovery` when asked, and
 `kept_output_tokens` when it kept its output (its blocks are then freed a step later, once the
@@ -31,6 +33,7 @@ from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
 from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
+from kmesh.vllm.recovery_support import recovery_unavailable
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -56,7 +59,9 @@ class KMeshConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(store, layout, vllm_config.model_config.model)
+            unavailable = recovery_unavailable(vllm_config.parallel_config, layout)
+            model = vllm_config.model_config.model
+            self._scheduler = SchedulerSide(store, layout, model, unavailable)
         else:
             self._worker = WorkerSide(store, layout)
 

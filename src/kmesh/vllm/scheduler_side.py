@@ -5,7 +5,8 @@ with each finished request's stats.
 For each waiting request, vLLM reports its local prefix-cache hit (whole blocks); after it:
 - a request asking for recovery has its rows claimed for the worker half to fill
   (recovery_claims.py), and skips the store's blocks (the worker half restores and publishes
-  its transcript instead: kmesh/store/transcripts.py);
+  its transcript instead: kmesh/store/transcripts.py); in an engine that cannot recover
+  (recovery_support.py: no KMesh worker) it is refused up front, with the reason;
 - an activated request's rows before its start are claimed: its base blocks load from the store
   where published, the rest the worker half computes; while another request of this engine fills
   a base block it needs, it waits a step;
@@ -34,8 +35,23 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, store: str | None, layout: BlockLayout, model: str) -> None:
+    def __init__(
+        self,
+        store: str | None,
+        layout: BlockLayout,
+        model: str,
+        recovery_unavailable: str | None = None,
+    ) -> None:
+        """`recovery_unavailable`: why this engine cannot recover (recovery_support.py), or
+        None; every request asking for recovery is then refused with that reason."""
         self.layout = layout
+        self.recovery_unavailable = recovery_unavailable
+        if recovery_unavailable is not None:
+            log.warning(
+                "kmesh: recovery is unavailable: %s. Requests asking for it are computed by vLLM "
+                "and their kv_transfer_params say why (kmesh.recovery.refused).",
+                recovery_unavailable,
+            )
         self.block_size = layout.block_size
         self.model = model
         self.fingerprint = model_fingerprint(model)
@@ -69,7 +85,7 @@ class SchedulerSide:
         loadable = (request.num_prompt_tokens - 1) // self.block_size
         if tracked.params is not None and tracked.params.recovery is not None:
             lora = request.lora_request
-            refusal = recovery_refusal(
+            refusal = self.recovery_unavailable or recovery_refusal(
                 tracked.params.recovery,
                 request.cache_salt,
                 None if lora is None else lora.lora_name,
