@@ -35,10 +35,11 @@ def test_an_engine_with_kmeshs_worker_may_recover(config):
     assert recovery_unavailable(config, LAYOUT) is None
 
 
-@pytest.mark.parametrize("worker_cls", [CPU_WORKER, "auto", "tests.vllm.test_recovery_support.X"])
+@pytest.mark.parametrize(
+    "worker_cls",
+    [CPU_WORKER, "auto", f"{__name__}.SimpleNamespace"],  # the last: importable, not KMesh's
+)
 def test_vllms_own_worker_cannot_recover_and_the_reason_names_the_flag(worker_cls):
-    if worker_cls.endswith(".X"):
-        worker_cls = f"{__name__}.SimpleNamespace"  # importable, not KMesh's
     reason = recovery_unavailable(parallel(worker_cls), LAYOUT)
     assert reason is not None
     assert worker_cls in reason
