@@ -5,7 +5,8 @@ import signal
 
 import pytest
 
-from kmesh.bench.capacity_kmesh import GroupStateRun, RoundStats
+from kmesh.bench.capacity_kmesh import GroupStateRun
+from kmesh.bench.capacity_store import RoundStats
 from kmesh.recovery.recover import RecoveryConfig
 from kmesh.workloads.allgather import group_rounds
 from tests.conftest import synthetic_allgather_turns
@@ -103,7 +104,7 @@ def test_a_store_killed_between_rounds_leaves_every_transcript_computed(
         stats = run.round(2)
     finally:
         run.close()
-    assert not run.available
+    assert not run.store.available
     assert stats.restores_checked == 0 and stats.pieces_lost == AGENTS * 3
     assert stats.recomputed > first.round_computed  # every transcript, in full
     assert stats.held_bytes == 0

@@ -33,11 +33,18 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kmesh.bench.capacity_accounting import (
+    VLLM_PAGE,
+    dense_transcript_bytes,
+    ideal_prefix_cache,
+    max_agents,
+    token_bytes,
+)
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.allgather import new_tokens
 
@@ -54,7 +61,6 @@ KMESH_STRATEGIES = {
 }
 # max_agents: every round within this many times its new tokens (a trajectory's: its append).
 LIMITS = {"allgather": 2.0, "trajectory": 1.5}
-VLLM_PAGE = 32  # vLLM's page in tokens (kmesh/vllm/config.py::DEFAULT_BLOCK_SIZE)
 VLLM_TIMEOUT_S = 3600
 # vLLM's own offloading to CPU memory, tried in this order for vanilla_offload.
 OFFLOAD_CONNECTORS = ("SimpleCPUOffloadConnector", "OffloadingConnector")
@@ -116,7 +122,7 @@ def run_capacity_bench(
     from kmesh.compute.loader import load_model
 
     loaded = load_model(model)
-    per_token = _token_bytes(loaded.executor)
+    per_token = token_bytes(loaded.executor)
     longest = _max_model_len(cfg) * per_token
     if cfg.budget_bytes <= longest:
         raise InvalidRequestError(
@@ -145,7 +151,7 @@ def run_capacity_bench(
         for run in strategy.get("runs", []):
             rounds = traces[run["agents"]]
             run["new_tokens_per_round"] = new_tokens(rounds)
-            run["dense_bytes_per_agent"] = _dense_transcript_bytes(rounds, per_token)
+            run["dense_bytes_per_agent"] = dense_transcript_bytes(rounds, per_token)
     for run in strategies["vanilla"]["runs"]:
         run["bytes_per_agent"] = min(run["dense_bytes_per_agent"], cfg.budget_bytes / run["agents"])
     return {
@@ -155,10 +161,10 @@ def run_capacity_bench(
         "limit": cfg.limit,
         "strategies": strategies,
         "max_agents": {
-            n: _max_agents(s, "new_tokens_per_round", cfg.limit) for n, s in strategies.items()
+            n: max_agents(s, "new_tokens_per_round", cfg.limit) for n, s in strategies.items()
         },
         "capacity_agents": {
-            n: _max_agents(s, "unconstrained_tokens_per_round", 2.0) for n, s in strategies.items()
+            n: max_agents(s, "unconstrained_tokens_per_round", 2.0) for n, s in strategies.items()
         },
     }
 
@@ -199,7 +205,7 @@ def _vllm(
                 "agents": run["agents"],
                 "computed_tokens_per_round": [r["computed"] for r in rounds],
                 "prefill_seconds_per_round": [r["seconds"] for r in rounds],
-                "unconstrained_tokens_per_round": _ideal_prefix_cache(
+                "unconstrained_tokens_per_round": ideal_prefix_cache(
                     _trace(directory / f"trace-{run['agents']}.jsonl")
                 ),
                 "bytes_restored": 0,
@@ -313,55 +319,3 @@ def _max_model_len(cfg: CapacityConfig) -> int:
         appended = max(cfg.agents) * (cfg.output_tokens + 16)
     tokens = 160 + (cfg.rounds - 1) * appended + 64 + cfg.output_tokens
     return min(8192, -(-tokens // VLLM_PAGE) * VLLM_PAGE)
-
-
-def _token_bytes(executor: Any) -> int:
-    """KV bytes of one token (all layers, K and V) in the executor's dtype."""
-    import torch
-
-    model = executor.config
-    element = torch.empty((), dtype=executor.dtype).element_size()
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
-
-
-def _dense_transcript_bytes(rounds: Sequence[Sequence[Any]], per_token: int) -> float:
-    """Mean KV bytes of the members' transcripts after the last round (the last prompt minus
-    its instruction), dense."""
-    last = rounds[-1]
-    held = [len(t.prompt.token_ids) - len(t.prompt.segments[-1].token_ids) for t in last]
-    return per_token * sum(held) / len(held)
-
-
-def _ideal_prefix_cache(rounds: Sequence[Sequence[Any]]) -> list[int]:
-    """Per round, what a prefix cache of unlimited size computes, prompts one after another:
-    each prompt minus its longest prefix of whole pages an earlier prompt (of any agent or
-    round) had, at least its last token. A lower bound: vLLM batches a round's prompts, and
-    those in one step do not hit each other's pages."""
-    seen: set[tuple[int, ...]] = set()
-    computed = []
-    for turns in rounds:
-        total = 0
-        for turn in turns:
-            tokens = turn.prompt.token_ids
-            hit = 0
-            while hit + VLLM_PAGE < len(tokens) and tokens[: hit + VLLM_PAGE] in seen:
-                hit += VLLM_PAGE
-            total += len(tokens) - hit
-            seen.update(tokens[:end] for end in range(VLLM_PAGE, len(tokens) + 1, VLLM_PAGE))
-        computed.append(total)
-    return computed
-
-
-def _max_agents(strategy: dict[str, Any], bound: str, limit: float) -> int | None:
-    """The largest agent count up to which every run's rounds compute within `limit` x
-    `bound`."""
-    best = None
-    for run in strategy.get("runs", []):
-        within = all(
-            c <= limit * b
-            for c, b in zip(run["computed_tokens_per_round"], run[bound], strict=True)
-        )
-        if not within:
-            break
-        best = run["agents"]
-    return best

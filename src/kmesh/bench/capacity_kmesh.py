@@ -36,42 +36,17 @@ import torch
 
 from kmesh.bench.allgather_config import AllGatherBenchConfig
 from kmesh.bench.allgather_inputs import RecoveryInputs, Transcript, region_segments
+from kmesh.bench.capacity_store import FAMILY, PieceStore, RoundStats
 from kmesh.compute.executor import DenseKV, Executor
 from kmesh.kv.master_mirror import Master
 from kmesh.recovery.collective import MASTER_BLOCK, blank_kv, recover_round
 from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
 from kmesh.state.keys import KeyNamespace, piece_key, segment_key
-from kmesh.store import StoreClient, StoreError, StoreUnavailable
-from kmesh.store.group_state import (
-    Payload,
-    Piece,
-    PieceMismatch,
-    fetch_master,
-    master_payload,
-    piece_payload,
-    publish,
-    read_piece,
-    restore_piece,
-)
+from kmesh.store.shared.group_state import Piece, master_payload, piece_payload
 from kmesh.workloads.allgather import AgentTurn
 
 COMPUTE_ALL = RecoveryConfig("full", 1.0)
-FAMILY = "council"
 LAYOUTS = ("mirror", "dense")
-
-
-@dataclass(slots=True)
-class RoundStats:
-    round_computed: float = 0.0
-    recomputed: float = 0.0
-    seconds: float = 0.0
-    bytes_restored: int = 0
-    pieces_lost: int = 0
-    restores_checked: int = 0  # pieces restored and found bit-identical (digest) to the published
-    restore_mismatches: int = 0  # pieces whose restore was not (recomputed instead)
-    held_bytes: int = 0
-    transcript_bytes: float = 0.0  # per member
-    own_bytes: float = 0.0  # per member: its own pieces, nothing shared
 
 
 @dataclass(slots=True)
@@ -105,19 +80,17 @@ class GroupStateRun:
         self.rounds = rounds
         self.agents = len(rounds[0])
         self.layout = layout
-        self.declare = declare
         self.collective = collective
         self.chunk = chunk
         self.cfg = recovery or AllGatherBenchConfig().recovery(0.0)
         self.inputs = RecoveryInputs(executor, fingerprint, self.agents, MASTER_BLOCK)
         self.namespace = KeyNamespace(fingerprint, tenant_salt="kmesh-approx")
-        self.client = StoreClient(store)
+        self.store = PieceStore(store, executor.config, declare)
         self.members = [_Member() for _ in range(self.agents)]
         self._shared_bytes = 0  # the trunk and every master, once
         self._trunk: Transcript | None = None
         self._trunk_key = b""
         self.master_keys: list[bytes] = []
-        self.available = True  # False once the store is gone: every piece is computed
 
     def run(self) -> list[RoundStats]:
         """Every round, in order."""
@@ -127,7 +100,7 @@ class GroupStateRun:
             self.close()
 
     def close(self) -> None:
-        self.client.close()
+        self.store.close()
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -151,12 +124,10 @@ class GroupStateRun:
                 self._extend(turn, piece, r)
             stats.seconds += time.perf_counter() - started
         # The trunk and the masters: read by every member from the next round's start on.
-        self._declare([self._trunk_key, *self.master_keys], self._round_start(r + 1), stats)
-        if self.available:
-            try:
-                stats.held_bytes = self.client.stats()["used"]
-            except StoreError as error:
-                self._failed(error, stats)
+        self.store.declare_use(
+            [self._trunk_key, *self.master_keys], self._round_start(r + 1), stats
+        )
+        stats.held_bytes = self.store.used_bytes(stats)
         stats.own_bytes = sum(sum(m.own_bytes) for m in self.members) / self.agents
         stats.transcript_bytes = stats.own_bytes + self._shared_bytes / self.agents
         return stats
@@ -188,7 +159,7 @@ class GroupStateRun:
             payload = master_payload(result.master)
             self._shared_bytes += payload[0]
             self.master_keys.append(key)
-            self._publish(key, payload, self._round_start(r + 1))
+            self.store.publish(key, payload, self._round_start(r + 1))
         pieces = []
         for turn, sibling, out in zip(turns, siblings, result.siblings, strict=True):
             stats.round_computed += out.recovered.computed_tokens
@@ -231,7 +202,7 @@ class GroupStateRun:
         member.tokens.append(tokens)
         payload = piece_payload(piece)
         member.own_bytes.append(payload[0])
-        self._publish(member.keys[-1], payload, self._next_use(turn.agent, r))
+        self.store.publish(member.keys[-1], payload, self._next_use(turn.agent, r))
 
     # -- restore -----------------------------------------------------------------------------
 
@@ -239,40 +210,13 @@ class GroupStateRun:
         """The member's transcript from the store: its pieces up to the first one lost, the
         rest computed after them and published again."""
         member = self.members[turn.agent]
-        ks: list[torch.Tensor] = []
-        vs: list[torch.Tensor] = []
-        masters: dict[bytes, Master] = {}
-        try:
-            got = self.client.acquire(member.keys) if self.available else None
-            if got is not None:
-                self.client.abandon(got.lead)
-            for hit in () if got is None else got.hits:
-                with self.client.read(hit) as entry:
-                    piece = read_piece(entry.data)
-                stats.bytes_restored += hit.size
-                master = None
-                if piece.master is not None:
-                    master = masters.get(piece.master) or self._read_master(piece.master, stats)
-                    masters[piece.master] = master
-                k, v = restore_piece(piece, master, self.executor.config)
-                stats.restores_checked += 1
-                ks.append(k)
-                vs.append(v)
-        except StoreError as error:
-            self._failed(error, stats)
+        ks, vs = self.store.restore(member.keys, stats)
         if len(ks) < len(member.keys):
             stats.pieces_lost += len(member.keys) - len(ks)
             self._recompute(member, ks, vs, stats)
-        self._declare(member.keys[1:], self._next_use(turn.agent, turn.round), stats)
+        self.store.declare_use(member.keys[1:], self._next_use(turn.agent, turn.round), stats)
         tokens = tuple(t for piece in member.tokens for t in piece)
         return Transcript(tokens, torch.cat(ks, dim=1), torch.cat(vs, dim=1))
-
-    def _read_master(self, key: bytes, stats: RoundStats) -> Master:
-        read = fetch_master(self.client, key, self.executor.config)
-        if read is None:
-            raise StoreError("the round's master is gone")
-        stats.bytes_restored += read[1]
-        return read[0]
 
     def _recompute(
         self, member: _Member, ks: list[torch.Tensor], vs: list[torch.Tensor], stats: RoundStats
@@ -294,7 +238,7 @@ class GroupStateRun:
             payload = piece_payload(Piece.of(start + offset, k, v))
             if i > 0:  # the trunk stays shared
                 member.own_bytes[i] = payload[0]
-            self._publish(member.keys[i], payload, None, replace=True)
+            self.store.publish(member.keys[i], payload, None, replace=True)
             ks.append(k)
             vs.append(v)
             offset += n
@@ -309,46 +253,9 @@ class GroupStateRun:
         payload = piece_payload(Piece.of(0, out[0].k, out[0].v))
         self._shared_bytes += payload[0]
         self._trunk_key = piece_key(self.namespace, None, system.token_ids)
-        self._publish(self._trunk_key, payload, 0.0)
+        self.store.publish(self._trunk_key, payload, 0.0)
         self._trunk = Transcript(system.token_ids, out[0].k, out[0].v)
         return self._trunk
-
-    def _publish(
-        self, key: bytes, payload: Payload, next_use: float | None, replace: bool = False
-    ) -> None:
-        """Publish `key` unless the store has it (`replace`: drop what it has first); declared
-        for `next_use` when this run declares. A store that cannot fit it refuses: the next
-        restore finds it lost."""
-        if not self.available:
-            return
-        family = FAMILY if self.declare else None
-        try:
-            got = self.client.acquire([key])
-            if got.hits and replace:
-                self.client.drop(got.hits[0])
-                got = self.client.acquire([key])
-            if got.lead:
-                publish(self.client, key, payload, family, next_use)
-            elif family is not None:
-                self.client.pin(family, [key], next_use)
-        except StoreError as error:
-            self._failed(error, None)
-
-    def _declare(self, keys: Sequence[bytes], next_use: float, stats: RoundStats) -> None:
-        """Declare `keys`' next use to the store, when this run declares."""
-        if self.declare and self.available:
-            try:
-                self.client.pin(FAMILY, keys, next_use)
-            except StoreError as error:
-                self._failed(error, stats)
-
-    def _failed(self, error: StoreError, stats: RoundStats | None) -> None:
-        """A store call failed: a piece lost (the caller computes instead), a refusal (not
-        kept), a digest mismatch (counted), or the store gone (used no more)."""
-        if isinstance(error, StoreUnavailable):
-            self.available = False
-        if isinstance(error, PieceMismatch) and stats is not None:
-            stats.restore_mismatches += 1
 
     def _master_key(self, r: int) -> bytes:
         """Round r's master: the tokens of round r - 1's outputs, in author order."""

@@ -1,6 +1,6 @@
 """An engine's link to a `kmesh store serve` process: the exact blocks it restores and publishes
 (engine/block_store.py), and what its recovery shares with the other engines on the store
-(masters, transcripts, segments: store/shared_state.py)."""
+(masters, transcripts, segments: store/shared/state.py)."""
 
 from dataclasses import dataclass
 

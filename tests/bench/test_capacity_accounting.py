@@ -1,6 +1,6 @@
 """The capacity bench's own arithmetic: an ideal prefix cache, the agent counts within a limit."""
 
-from kmesh.bench.capacity import _ideal_prefix_cache, _max_agents
+from kmesh.bench.capacity_accounting import ideal_prefix_cache, max_agents
 from kmesh.state.segments import Role, Segment, SegmentedPrompt
 from kmesh.workloads.allgather import AgentTurn
 
@@ -18,7 +18,7 @@ def test_an_ideal_prefix_cache_reuses_whole_pages_any_earlier_prompt_had():
     ]
     # round 0: the first prompt computes all, the second reuses its two pages; round 1: both
     # reuse the shared pages (the first's third page, 1, 2, ..., was never whole before).
-    assert _ideal_prefix_cache(rounds) == [66 + 1, 42 + 1]
+    assert ideal_prefix_cache(rounds) == [66 + 1, 42 + 1]
 
 
 def test_max_agents_is_the_last_count_before_a_round_first_exceeds_the_limit():
@@ -26,6 +26,6 @@ def test_max_agents_is_the_last_count_before_a_round_first_exceeds_the_limit():
         {"agents": a, "computed_tokens_per_round": c, "new_tokens_per_round": [100, 100]}
         for a, c in ((4, [100, 150]), (8, [100, 200]), (16, [100, 201]), (32, [100, 150]))
     ]
-    assert _max_agents({"runs": runs}, "new_tokens_per_round", 2.0) == 8
-    assert _max_agents({"runs": runs[2:]}, "new_tokens_per_round", 2.0) is None
-    assert _max_agents({"error": "did not run"}, "new_tokens_per_round", 2.0) is None
+    assert max_agents({"runs": runs}, "new_tokens_per_round", 2.0) == 8
+    assert max_agents({"runs": runs[2:]}, "new_tokens_per_round", 2.0) is None
+    assert max_agents({"error": "did not run"}, "new_tokens_per_round", 2.0) is None
