@@ -20,8 +20,8 @@ from typing import Any
 from kmesh.compute.executor import Executor
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, SamplingParams
-from kmesh.store.mooncake_tier import MooncakeTier
 from kmesh.store.process import MasterProcess, StoreProcess, start_store
+from kmesh.store.remote.mooncake_tier import MooncakeTier
 
 GREEDY_TOKENS = 8
 WRITE_THROUGH_TIMEOUT_S = 120.0

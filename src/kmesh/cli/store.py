@@ -8,7 +8,7 @@ from kmesh.coord.future_use import RETENTIONS
 
 def _store_serve(args: argparse.Namespace) -> None:
     from kmesh.state.tenants import load_api_keys
-    from kmesh.store.remote_worker import remote_config
+    from kmesh.store.remote.worker import remote_config
     from kmesh.store.server import parse_size, serve
 
     capacity = parse_size(args.capacity)

@@ -4,6 +4,8 @@
 coordinates through kmesh/coord/); engines talk to it with StoreClient (client.py) over the
 protocol of protocol.py, documented in docs/STORE_PROTOCOL.md; tier.py keeps the bytes and
 segments.py maps them in a client. policy.py is the per-request policy both engines follow.
+Two rooms: remote/ is the remote tier behind the local one (Mooncake Store, across machines);
+shared/ is what engines' recovery shares through the store (recovery/shared.py's interface).
 """
 
 from kmesh.store.client import Acquired, Hit, StoreClient

@@ -34,8 +34,8 @@ from kmesh.store.protocol import (
     encode_frame,
     take_frame,
 )
-from kmesh.store.remote_front import Probed, RemoteFront, Resolved, Written
-from kmesh.store.remote_worker import RemoteConfig, RemoteWorker, start_worker
+from kmesh.store.remote.front import Probed, RemoteFront, Resolved, Written
+from kmesh.store.remote.worker import RemoteConfig, RemoteWorker, start_worker
 from kmesh.store.state_machine import DEFAULT_LEASE_S, Outbox, Store, StoreSession
 from kmesh.store.tier import SharedMemoryTier
 

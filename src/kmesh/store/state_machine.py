@@ -14,8 +14,8 @@ connection's first request is a `hello` with a key (anything else, or an unknown
 `unauthorized` error), and the key's tenant scopes every later request: the `tenant` a client
 names only subdivides its key's (tenant_salt), so no client can name another key's entries.
 
-With a remote tier (`remote`, remote_front.py), an acquire's locally missing keys are first claimed
-by the front's proxy session and looked up remotely; the asker waits on the proxy (up to
+With a remote tier (`remote`, remote/front.py), an acquire's locally missing keys are first
+claimed by the front's proxy session and looked up remotely; the asker waits on the proxy (up to
 `remote_wait` seconds, even if it asked not to wait: a remote lookup is part of a lookup) and then
 sees a hit (fetched) or leads (nobody has it). A `lookup` also names the keys the remote tier holds
 (asked of it, claiming nothing; answered with what is local after `remote_wait`). Fed the worker's
@@ -53,7 +53,7 @@ from kmesh.store.protocol import (
     Stats,
     StatsInfo,
 )
-from kmesh.store.remote_front import Probe, Probed, RemoteFront, Resolved, Written
+from kmesh.store.remote.front import Probe, Probed, RemoteFront, Resolved, Written
 from kmesh.store.tier import CapacityError, EntryId, StoredEntry, Tier
 
 DEFAULT_LEASE_S = 60.0

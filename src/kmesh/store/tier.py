@@ -18,9 +18,9 @@ by SIGBUS on a full /dev/shm; the store process keeps no mapping or descriptor o
 A segment that a client still maps when it is unlinked stays readable by that client until it
 closes its mapping (POSIX semantics), so eviction never pulls state from under a reader.
 
-A remote tier (mooncake_tier.py) stands behind this one: the store looks a local miss up there and
-copies the bytes into a reserved local segment (`fill`), so clients only ever see local segment
-handles (remote_front.py).
+A remote tier (remote/mooncake_tier.py) stands behind this one: the store looks a local miss up
+there and copies the bytes into a reserved local segment (`fill`), so clients only ever see local
+segment handles (remote/front.py).
 """
 
 import os

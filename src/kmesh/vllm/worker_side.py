@@ -23,7 +23,7 @@ from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.recovery.requests import RecoveredRows, RequestRecovery
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.segments import encode_meta, write_segment
-from kmesh.store.shared_state import shared_through
+from kmesh.store.shared.state import shared_through
 from kmesh.store.tensors import segment_tensor, write_tensors
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey

@@ -5,9 +5,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kmesh.store.mooncake_tier import RemoteEntry
 from kmesh.store.protocol import Acquired, Found, HitInfo, Lookup
-from kmesh.store.remote_front import (
+from kmesh.store.remote.front import (
     Probe,
     Probed,
     Release,
@@ -16,7 +15,8 @@ from kmesh.store.remote_front import (
     Resolved,
     WriteThrough,
 )
-from kmesh.store.remote_leases import ForeignLeases
+from kmesh.store.remote.leases import ForeignLeases
+from kmesh.store.remote.mooncake_tier import RemoteEntry
 from kmesh.store.state_machine import Store
 from kmesh.store.tier import SharedMemoryTier
 from tests.store.helpers import chain

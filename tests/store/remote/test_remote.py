@@ -11,7 +11,10 @@ import torch
 
 from kmesh.state.keys import KeyNamespace, block_key, piece_key
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
-from kmesh.store.group_state import (
+from kmesh.store.process import MasterProcess
+from kmesh.store.protocol import checksum
+from kmesh.store.remote.mooncake_tier import MooncakeTier
+from kmesh.store.shared.group_state import (
     fetch,
     fetch_master,
     master_payload,
@@ -20,9 +23,6 @@ from kmesh.store.group_state import (
     read_piece,
     restore_piece,
 )
-from kmesh.store.mooncake_tier import MooncakeTier
-from kmesh.store.process import MasterProcess
-from kmesh.store.protocol import checksum
 from tests.conftest import StoreProcess
 from tests.engine.test_recovery import ASK, ROUND, sibling
 from tests.store.helpers import (
@@ -36,7 +36,7 @@ from tests.store.helpers import (
     stalled_leader,
     wait_until,
 )
-from tests.store.test_group_state import CONFIG, NAMESPACE, _master, _member_piece
+from tests.store.shared.test_group_state import CONFIG, NAMESPACE, _master, _member_piece
 
 Machines = Callable[..., list[StoreProcess]]
 

@@ -6,7 +6,7 @@ from kmesh.compute.tiny import TINY_HF_CONFIG
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
 from kmesh.state.keys import KeyNamespace, piece_key
 from kmesh.store import EntryLost, StoreError
-from kmesh.store.group_state import (
+from kmesh.store.shared.group_state import (
     Piece,
     PieceMismatch,
     master_payload,

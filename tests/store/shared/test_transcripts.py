@@ -1,4 +1,4 @@
-"""Jobs' transcripts through a real store (kmesh/store/transcripts.py): published by one job,
+"""Jobs' transcripts through a real store (kmesh/store/shared/transcripts.py): published by one job,
 found and restored bit-identically by a later one that continues it, mirrored where mirrors give
 the rows back, cut at the first piece lost, never across tenants."""
 
@@ -11,9 +11,9 @@ from kmesh.recovery.jobs import RecoveryJob, RoundKey, RoundMirrors
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 from kmesh.store import TenantClients
-from kmesh.store.group_state import read_piece
-from kmesh.store.shared_state import StoreMasters
-from kmesh.store.transcripts import Chain, StoreTranscripts
+from kmesh.store.shared.group_state import read_piece
+from kmesh.store.shared.masters import StoreMasters
+from kmesh.store.shared.transcripts import Chain, StoreTranscripts
 from tests.conftest import random_tokens
 from tests.store.helpers import corrupt_segment
 

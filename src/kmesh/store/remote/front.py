@@ -22,7 +22,7 @@ already written survives this machine's store dying.
 
 from dataclasses import dataclass, field
 
-from kmesh.store.mooncake_tier import RemoteEntry
+from kmesh.store.remote.mooncake_tier import RemoteEntry
 from kmesh.store.tier import EntryId
 
 

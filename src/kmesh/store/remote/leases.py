@@ -1,6 +1,6 @@
 """Whether another machine's remote claim is still alive, judged by this machine's clock alone.
 
-A claim's holder raises its record's beat while it lives (remote_worker.py). An observer that
+A claim's holder raises its record's beat while it lives (worker.py). An observer that
 sees the same (generation, beat) for `lease` seconds of its own monotonic clock takes the holder
 for dead; clocks of different machines are never compared, so no clock sync is assumed. A
 holder that beats at least every lease / 3 is never taken for dead by a live observer. No I/O.

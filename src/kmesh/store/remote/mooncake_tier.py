@@ -1,5 +1,5 @@
 """The remote tier's bytes: entries and claim records in Mooncake Store, shared by the stores of
-several machines. I/O only; what to do with it is remote_worker.py's and remote_front.py's.
+several machines. I/O only; what to do with it is worker.py's and front.py's.
 
 Mooncake Store is a master holding object metadata and memory lent by its clients (each store
 process lends `lend` bytes; a `mooncake_client` process can lend more). Objects are named by

@@ -1,4 +1,4 @@
-"""The thread that carries out the front's commands (remote_front.py) on the remote tier.
+"""The thread that carries out the front's commands (front.py) on the remote tier.
 
 The store's own thread never waits on the network: it hands commands to `submit` and gets
 `Resolved` answers back through `deliver` (called on this thread; it must only queue and wake).
@@ -10,7 +10,7 @@ The store's own thread never waits on the network: it hands commands to `submit`
   ended the claim the new one followed). A holder found dead on one key is dead on all; a
   record that cannot be read (the memory it was in is gone) runs out like one nobody beats.
   Waiting keys are watched every POLL_S seconds until
-  published (fetched), their holder dies (remote_leases.py: the claim is taken over) or `watch`
+  published (fetched), their holder dies (leases.py: the claim is taken over) or `watch`
   seconds pass (failed: computed here).
 - WriteThrough: the local segment's bytes are put remotely, then the claim records are removed.
 - Release: the claim record is marked released.
@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 
 from kmesh.errors import InvalidRequestError
-from kmesh.store.mooncake_tier import MooncakeTier, RemoteEntry
-from kmesh.store.remote_front import (
+from kmesh.store.remote.front import (
     Command,
     Probe,
     Probed,
@@ -43,7 +42,8 @@ from kmesh.store.remote_front import (
     WriteThrough,
     Written,
 )
-from kmesh.store.remote_leases import ForeignLeases
+from kmesh.store.remote.leases import ForeignLeases
+from kmesh.store.remote.mooncake_tier import MooncakeTier, RemoteEntry
 from kmesh.store.tier import EntryId
 
 log = logging.getLogger(__name__)

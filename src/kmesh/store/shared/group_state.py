@@ -10,7 +10,7 @@ rows [start, end) of that transcript, keyed like exact blocks through their pare
   member's order and start, a block table, the block-sparse diff of the blocks its recovery
   recomputed) and the master's key; rows no mirror covers are dense in it.
 Masters are entries of their own, one per round, read by every member's mirrored pieces, and by
-engines that recover a round's siblings (shared_state.py::StoreMasters: a round spread over
+engines that recover a round's siblings (masters.py::StoreMasters: a round spread over
 several engines mirrors the master the first of them built).
 
 `restore_piece` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate,

@@ -30,7 +30,6 @@ Every store failure is a miss or a piece not kept; the job computes what it lack
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,7 +40,8 @@ from kmesh.recovery.shared import Chain, Restored
 from kmesh.state.keys import KeyNamespace, piece_key
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
-from kmesh.store.group_state import (
+from kmesh.store.protocol import MAX_KEYS
+from kmesh.store.shared.group_state import (
     Piece,
     PieceMismatch,
     fetch,
@@ -51,10 +51,7 @@ from kmesh.store.group_state import (
     read_piece,
     restore_piece,
 )
-from kmesh.store.protocol import MAX_KEYS
-
-if TYPE_CHECKING:
-    from kmesh.store.shared_state import StoreMasters
+from kmesh.store.shared.masters import StoreMasters
 
 log = logging.getLogger(__name__)
 # Masters read from the store kept for the next restores (a round's members read the same one).
@@ -64,7 +61,7 @@ MASTERS_KEPT = 2
 class StoreTranscripts:
     """Jobs' transcripts in the store (see the module docstring); masters through `masters`."""
 
-    def __init__(self, masters: "StoreMasters") -> None:
+    def __init__(self, masters: StoreMasters) -> None:
         self.masters = masters
         self.clients = masters.clients
         self.fingerprint = masters.fingerprint
