@@ -7,6 +7,7 @@ command-line flag that sets it.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 from kmesh.errors import InvalidRequestError
 from kmesh.recovery.collective import MASTER_CHOICES
@@ -71,3 +72,16 @@ class AllGatherBenchConfig:
         return RecoveryConfig(
             policy, ratio, self.check_layer, self.gate, gate_sample=self.gate_sample
         )
+
+    def recovery_fields(self) -> dict[str, Any]:
+        """The recovery settings as a report's config lists them (both engines' reports)."""
+        return {
+            "policy": self.policy,
+            "master": self.master,
+            "recompute_ratio": self.recompute_ratio,
+            "shared_ratio": self.shared_ratio,
+            "agent_ratio": self.agent_ratio,
+            "check_layer": self.check_layer,
+            "gate": self.gate,
+            "gate_sample": self.gate_sample,
+        }

@@ -56,6 +56,19 @@ class ForkBenchConfig:
     def num_leaves(self) -> int:
         return self.branches**2 if self.mode == "tree" else self.branches
 
+    def report_fields(self) -> dict[str, Any]:
+        """The workload as a report's config lists it (both engines' reports)."""
+        return {
+            "mode": self.mode,
+            "branches": self.branches,
+            "leaves": self.num_leaves,
+            "trunk_tokens": self.trunk_tokens,
+            "branch_tokens": self.branch_tokens,
+            "reasoning_tokens": self.reasoning_tokens if self.mode == "cot" else 0,
+            "seed": self.seed,
+            "temperature": self.temperature,
+        }
+
 
 @dataclass(slots=True)
 class StrategyRun:
@@ -247,14 +260,7 @@ def run_fork_bench(
     max_diff, identical = _compare(runs["fork"], runs["independent"])
     return {
         "config": {
-            "mode": cfg.mode,
-            "branches": cfg.branches,
-            "leaves": cfg.num_leaves,
-            "trunk_tokens": cfg.trunk_tokens,
-            "branch_tokens": cfg.branch_tokens,
-            "reasoning_tokens": cfg.reasoning_tokens if cfg.mode == "cot" else 0,
-            "seed": cfg.seed,
-            "temperature": cfg.temperature,
+            **cfg.report_fields(),
             "block_size": cfg.block_size,
             "model": fingerprint,
         },

@@ -187,14 +187,7 @@ async def _run(
     return {
         "config": {
             "engine": "vllm",
-            "mode": cfg.mode,
-            "branches": cfg.branches,
-            "leaves": cfg.num_leaves,
-            "trunk_tokens": cfg.trunk_tokens,
-            "branch_tokens": cfg.branch_tokens,
-            "reasoning_tokens": cfg.reasoning_tokens if cfg.mode == "cot" else 0,
-            "seed": cfg.seed,
-            "temperature": cfg.temperature,
+            **cfg.report_fields(),
             "block_size": kwargs["block_size"],
         },
         "strategies": strategies,

@@ -1,9 +1,8 @@
 """`kmesh bench capacity`: agents served under one memory budget, vLLM and KMesh side by side."""
 
 import argparse
-from pathlib import Path
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
+from kmesh.cli.common import Commands, add_model_option, add_report_option, emit_report
 
 
 def _bench_capacity(args: argparse.Namespace) -> None:
@@ -11,7 +10,6 @@ def _bench_capacity(args: argparse.Namespace) -> None:
 
     from kmesh.bench.capacity import CapacityConfig, run_capacity_bench
     from kmesh.bench.capacity_report import plot, print_report
-    from kmesh.bench.common import report_console
 
     cfg = CapacityConfig(
         args.agents,
@@ -27,10 +25,7 @@ def _bench_capacity(args: argparse.Namespace) -> None:
     )
     console = Console(stderr=True)
     result = run_capacity_bench(cfg, args.model, console.log)
-    print_report(result, report_console())
-    write_json(args.json, result)
-    if args.plot:
-        plot(result, Path(args.plot))
+    emit_report(args, result, print_report, plot)
 
 
 def _counts(text: str) -> tuple[int, ...]:

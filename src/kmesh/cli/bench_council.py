@@ -1,16 +1,14 @@
 """`kmesh bench council`: an unmodified agent framework against KMesh and vanilla vLLM."""
 
 import argparse
-from pathlib import Path
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
+from kmesh.cli.common import Commands, add_model_option, add_report_option, emit_report
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_council(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.common import report_console
     from kmesh.bench.council import CouncilConfig, client_python, run_council_bench
     from kmesh.bench.council_report import plot, print_report
 
@@ -21,10 +19,7 @@ def _bench_council(args: argparse.Namespace) -> None:
     if not all(0 <= r <= 1 for r in ratios):
         raise InvalidRequestError(f"--ratios are shares in [0, 1], got {args.ratios}")
     result = run_council_bench(cfg, args.engine, ratios, python, console.log)
-    print_report(result, report_console())
-    write_json(args.json, result)
-    if args.plot:
-        plot(result, Path(args.plot))
+    emit_report(args, result, print_report, plot)
 
 
 def register(benches: Commands) -> None:

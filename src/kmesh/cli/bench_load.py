@@ -1,15 +1,13 @@
 """`kmesh bench load`: kmesh serve under concurrent clients, disconnects and bad bodies."""
 
 import argparse
-from pathlib import Path
 
-from kmesh.cli.common import Commands, add_report_option, write_json
+from kmesh.cli.common import Commands, add_report_option, emit_report
 
 
 def _bench_load(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.common import report_console
     from kmesh.bench.load import LoadConfig, run_load_bench
     from kmesh.bench.load_report import plot, print_report
 
@@ -18,10 +16,7 @@ def _bench_load(args: argparse.Namespace) -> None:
     )
     console = Console(stderr=True)
     result = run_load_bench(cfg, console.log)
-    print_report(result, report_console())
-    write_json(args.json, result)
-    if args.plot:
-        plot(result, Path(args.plot))
+    emit_report(args, result, print_report, plot)
 
 
 def register(benches: Commands) -> None:

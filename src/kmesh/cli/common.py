@@ -1,8 +1,9 @@
 """What the command modules share: the --model and --store options, agent-count lists, the store
-socket check and writing a bench's JSON report."""
+socket check and a bench's report (its table, JSON and plot)."""
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,18 @@ def write_json(path: str, report: dict[str, object]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {target}")
+
+
+def emit_report(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    print_report: Callable[[dict[str, Any], Any], None],
+    plot: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """Print a bench's table, write its JSON to --json and draw its plot to --plot if given."""
+    from kmesh.bench.common import report_console
+
+    print_report(result, report_console())
+    write_json(args.json, result)
+    if args.plot:
+        plot(result, Path(args.plot))

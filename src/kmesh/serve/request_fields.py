@@ -97,18 +97,6 @@ def stop_strings(request: GenerationRequest) -> tuple[str, ...]:
     return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
 
 
-def _single_prompt(prompt: str | list[Any] | None) -> str | None:
-    if not isinstance(prompt, list):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    raise RequestFieldError(
-        "prompt must be one string: this server takes one prompt per request (token ids and "
-        "lists of prompts are not supported); send one request per prompt",
-        "prompt",
-    )
-
-
 def single_prompt(prompt: str | list[Any] | None) -> str | None:
     """`prompt` as one string (None: none given); a list of one string is that string."""
     if not isinstance(prompt, list):
