@@ -1,9 +1,9 @@
 """The store's client: what an engine calls to share keyed state with other processes.
 
 A client works on chains of block keys (a prompt's full blocks, each key standing for its whole
-prefix, e.g. kmesh.state.keys.block_key). One round trip per call, on one Unix socket; payloads
-never cross the socket: a hit names a shared memory segment that `read` maps, and `publish` writes
-straight into a segment the store reserved. The intended use:
+prefix, e.g. kmesh.state.keys.block_key). One round trip per call, on one Unix socket
+(connection.py); payloads never cross the socket: a hit names a shared memory segment that `read`
+maps, and `publish` writes straight into a segment the store reserved. The intended use:
 
     with StoreClient(socket_path, tenant=namespace.tenant_salt) as store:
         got = store.acquire(keys, family=family_id)
@@ -29,7 +29,6 @@ tenant is then a namespace within the key's tenant.
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -37,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kmesh.store.errors import EntryLost, StoreError, StoreRefused, StoreUnavailable
+from kmesh.store.connection import Connection
+from kmesh.store.errors import EntryLost, StoreError, StoreRefused
 from kmesh.store.protocol import (
     KEY_BYTES,
     MAX_KEYS,
@@ -45,28 +45,22 @@ from kmesh.store.protocol import (
     MAX_WAIT_S,
     Abandon,
     Acquire,
-    AnyAnswer,
     AnyRequest,
     CloseFamily,
     Commit,
     Done,
     Drop,
-    Error,
     Found,
     Hello,
     Lookup,
     Pin,
     Ping,
-    ProtocolError,
     Refused,
     Reserve,
     Reserved,
     Stats,
     StatsInfo,
     checksum,
-    decode_answer,
-    encode_frame,
-    read_frame,
 )
 from kmesh.store.protocol import (
     Acquired as AcquiredAnswer,
@@ -140,16 +134,7 @@ class StoreClient:
         self.socket_path = os.fspath(socket_path)
         self.tenant = None if tenant is None else _check_name("tenant", tenant)
         self.timeout = timeout
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(self.socket_path)
-        except OSError as error:
-            sock.close()
-            raise StoreUnavailable(
-                f"cannot reach the store at {self.socket_path}: {error}"
-            ) from None
-        self._sock: socket.socket | None = sock
+        self._connection = Connection(self.socket_path, timeout)
         if key is not None:
             self._count(Hello(key=key, tenant=self.tenant))
 
@@ -169,9 +154,9 @@ class StoreClient:
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The indices in `keys` of the published ones, each looked up on its own (a probe of
         candidate keys); claims, pins and waits for nothing."""
-        answer = self._call(Lookup(_check_keys(keys), tenant=self.tenant))
+        answer = self._connection.call(Lookup(_check_keys(keys), tenant=self.tenant))
         if not isinstance(answer, Found) or any(not 0 <= i < len(keys) for i in answer.present):
-            raise self._unexpected(answer)
+            raise self._connection.unexpected(answer)
         return answer.present
 
     def read(self, hit: Hit) -> Mapped:
@@ -248,11 +233,11 @@ class StoreClient:
         key = _check_key(key)
         if size < 1:
             raise ValueError(f"a payload needs at least one byte, got size {size}")
-        answer = self._call(Reserve(key, size, tenant=self.tenant))
+        answer = self._connection.call(Reserve(key, size, tenant=self.tenant))
         if isinstance(answer, Refused):
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Reserved):
-            raise self._unexpected(answer)
+            raise self._connection.unexpected(answer)
         return answer.name
 
     def commit(
@@ -270,11 +255,11 @@ class StoreClient:
         if family is not None:
             _check_name("family", family)
         request = Commit(key, crc, meta_bytes, family, next_use, tenant=self.tenant)
-        answer = self._call(request)
+        answer = self._connection.call(request)
         if isinstance(answer, Refused):
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Done):
-            raise self._unexpected(answer)
+            raise self._connection.unexpected(answer)
 
     def abandon(self, keys: Sequence[bytes]) -> int:
         """Give up leading `keys` (waiters get promoted); returns how many were led."""
@@ -302,15 +287,13 @@ class StoreClient:
 
     def stats(self) -> dict[str, int]:
         """The store's counters (capacity and bytes used are the whole store's)."""
-        answer = self._call(Stats(tenant=self.tenant))
+        answer = self._connection.call(Stats(tenant=self.tenant))
         if not isinstance(answer, StatsInfo):
-            raise self._unexpected(answer)
+            raise self._connection.unexpected(answer)
         return {k: v for k, v in msgspec.structs.asdict(answer).items() if k != "v"}
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._connection.close()
 
     def __enter__(self) -> "StoreClient":
         return self
@@ -328,14 +311,14 @@ class StoreClient:
         if family is not None:
             _check_name("family", family)
         request = Acquire(checked, wait=wait, family=family, tenant=self.tenant)
-        answer = self._call(request, wait)
+        answer = self._connection.call(request, wait)
         if not isinstance(answer, AcquiredAnswer):
-            raise self._unexpected(answer)
+            raise self._connection.unexpected(answer)
         found = len(answer.hits)
         if found + answer.lead > len(checked) or (
             answer.wait and (answer.lead or found == len(checked))
         ):
-            raise self._unexpected(answer)
+            raise self._connection.unexpected(answer)
         return Acquired(
             hits=tuple(
                 Hit(key, h.name, h.size, h.checksum, h.meta)
@@ -347,33 +330,7 @@ class StoreClient:
         )
 
     def _count(self, request: AnyRequest) -> int:
-        answer = self._call(request)
+        answer = self._connection.call(request)
         if not isinstance(answer, Done):
-            raise self._unexpected(answer)
+            raise self._connection.unexpected(answer)
         return answer.count
-
-    def _call(self, request: AnyRequest, wait: float = 0.0) -> AnyAnswer:
-        sock = self._sock
-        if sock is None:
-            raise StoreUnavailable(
-                f"this client's connection to the store at {self.socket_path} is closed; open a "
-                "new StoreClient"
-            )
-        try:
-            sock.settimeout(self.timeout + wait)
-            sock.sendall(encode_frame(request))
-            answer = decode_answer(read_frame(sock))
-        except (OSError, ProtocolError) as error:
-            self.close()
-            reason = "no answer in time" if isinstance(error, TimeoutError) else error
-            raise StoreUnavailable(f"lost the store at {self.socket_path}: {reason}") from None
-        if isinstance(answer, Error):
-            self.close()
-            raise StoreUnavailable(
-                f"the store rejected a request ({answer.code}): {answer.message}"
-            )
-        return answer
-
-    def _unexpected(self, answer: AnyAnswer) -> StoreUnavailable:
-        self.close()
-        return StoreUnavailable(f"unexpected answer from the store: {answer!r:.200}")
