@@ -133,6 +133,14 @@ class Singleflight(Generic[Key, Entry, Ask]):
         self._evaluate(session, tuple(keys), ask, deadline, now, out)
         return out
 
+    def claim(self, session: Session[Key, Ask], key: Key, now: float) -> None:
+        """Make `session` the leader of `key`, which the caller has just found neither published
+        (`lookup`) nor claimed (`leader`): no evaluation, no answer, no second lookup."""
+        assert self.leader(key) is None
+        self._claims[key] = _Claim(session)
+        session.claims[key] = None
+        self.touch(session, now)
+
     def publish(self, key: Key, now: float) -> list[Answer[Key, Entry, Ask]]:
         """The leader published `key` into its reservation (`lookup` finds it now): its claim
         ends, its waiters are re-evaluated."""
@@ -222,9 +230,10 @@ class Singleflight(Generic[Key, Entry, Ask]):
             return 0
         lead = 0
         if blocked is None:
-            for key in rest:
+            for i, key in enumerate(rest):
                 leader = self.leader(key)
-                if leader is None and self.lookup(key) is None:
+                # NOTE: rest[0] was just looked up (the miss that ended the hits): not again.
+                if leader is None and (i == 0 or self.lookup(key) is None):
                     self._claims[key] = _Claim(session)
                     session.claims[key] = None
                 elif leader is not session:

@@ -109,7 +109,7 @@ class Store:
             case Acquire(keys=keys, tenant=tenant):
                 idents = [(key, tenant) for key in keys]
                 deadline = now + request.wait
-                if self.remote is not None and self._resolve(idents, request, now):
+                if self.remote is not None and self._resolve(idents, now):
                     deadline = max(deadline, now + self.remote_wait)
                 out += self._answers(self.flight.acquire(session, idents, request, deadline, now))
             case Lookup(keys=keys, tenant=tenant):
@@ -217,15 +217,16 @@ class Store:
         flight = self.flight.next_deadline()
         return min(deadlines + ([] if flight is None else [flight]), default=None)
 
-    def _resolve(self, idents: list[EntryId], request: Acquire, now: float) -> bool:
+    def _resolve(self, idents: list[EntryId], now: float) -> bool:
         """Claim the chain's locally missing, unclaimed keys for the proxy and ask the remote
-        tier for them; whether the first missing key is now the proxy's."""
+        tier for them; whether the first missing key is now the proxy's. Each key is looked up
+        once here: the proxy claims what this lookup found missing (Singleflight.claim)."""
         assert self.remote is not None
         missing = [i for i in idents if self.tier.lookup(i) is None]
         asked = []
         for ident in missing:
             if self.flight.leader(ident) is None and self.remote.asks(ident):
-                self.flight.acquire(self._proxy, [ident], request, now, now)
+                self.flight.claim(self._proxy, ident, now)
                 asked.append(ident)
         self.remote.resolve(asked)
         return bool(missing) and self.flight.leader(missing[0]) is self._proxy

@@ -130,3 +130,24 @@ def test_a_lookup_adds_the_keys_the_remote_tier_holds_or_answers_the_local_ones_
     assert _stats(store).claims == 0  # a lookup claims nothing
     assert store.handle(prober, Lookup(keys, tenant=None), 2.0) == []
     assert store.expire(now=2.0 + store.remote_wait) == [(prober, Found(present=[2]))]
+
+
+def test_an_acquire_in_front_of_the_remote_tier_looks_each_key_up_once_per_evaluation():
+    tier = SharedMemoryTier(capacity=4096)
+    looked_up: list[object] = []
+    lookup = tier.lookup
+
+    def counted(ident):
+        looked_up.append(ident)
+        return lookup(ident)
+
+    tier.lookup = counted  # type: ignore[method-assign]
+    store = Store(tier, LEASE, remote=RemoteFront(grace=GRACE))
+    try:
+        keys = chain(3, seed=9)
+        _acquire(store, store.open(), keys)
+        # Once by the remote resolve (the proxy claims what it found missing), once by the
+        # asker's own evaluation, which stops at the first key, the proxy's.
+        assert looked_up == [(keys[0], None), (keys[1], None), (keys[2], None), (keys[0], None)]
+    finally:
+        tier.close()
