@@ -113,6 +113,7 @@ class RequestRecovery:
         rounds: dict[RoundKey, list[RecoveryJob]] = {}
         restored: dict[str, Restored] = {}
         steps = self.continuations
+        self.segments.begin_step()
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:

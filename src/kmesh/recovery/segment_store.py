@@ -13,7 +13,9 @@ A hit compares tokens (index/segment_index.py); state never crosses tenants. Byt
 the owner's ledger: every stored entry is held as a HeldSegment (tenant, tokens, context) and
 dropped through `discard`. With `shared` (shared.py, the store's), a first
 reader's segment is published there too, and one this engine lacks is read from there (and then
-held here) before a job computes it.
+held here) before a job computes it. NOTE: a segment `shared` lacked is not asked for again until
+the next step (`begin_step`, at each RequestRecovery.run): a step's jobs ask once per segment,
+and another engine's later publish is still found from the next step on.
 """
 
 from collections.abc import Callable, Sequence
@@ -56,18 +58,28 @@ class SegmentStore:
         self._hold = hold  # the owner's: records bytes, drops what the bound asks
         self._index: TenantIndexes[SegmentKV] = TenantIndexes(fingerprint)
         self.shared: SharedSegments | None = None
+        self._missed: set[tuple[str | None, tuple[int, ...]]] = set()  # this step's, in `shared`
+
+    def begin_step(self) -> None:
+        """A new step: segments `shared` lacked are asked for again."""
+        self._missed.clear()
 
     def get(self, tenant: str | None, tokens: Sequence[int]) -> SegmentKV | None:
         """A segment's first-reader KV (canonical positions), held here or read from `shared`
-        (then held here), or None."""
+        (then held here; not asked again this step if it lacked it), or None."""
         index = self._index(tenant)
         stored = index.get(tokens, FIRST_READER)
-        if stored is None and self.shared is not None:
-            stored = self.shared.get(tenant, tokens)
-            if stored is not None:
-                index.put(tokens, FIRST_READER, 0, stored)
-                key = HeldSegment(tenant, tuple(tokens), FIRST_READER)
-                self._hold(key, stored.k.nbytes + stored.v.nbytes)
+        if stored is not None or self.shared is None:
+            return stored
+        asked = (tenant, tuple(tokens))
+        if asked in self._missed:
+            return None
+        stored = self.shared.get(tenant, tokens)
+        if stored is None:
+            self._missed.add(asked)
+            return None
+        index.put(tokens, FIRST_READER, 0, stored)
+        self._hold(HeldSegment(*asked, FIRST_READER), stored.k.nbytes + stored.v.nbytes)
         return stored
 
     def placed(self, job: RecoveryJob) -> dict[int, Placed]:
