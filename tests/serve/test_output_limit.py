@@ -2,8 +2,8 @@
 
 import pytest
 
-from kmesh.serve.jobs import RequestFieldError
 from kmesh.serve.output_limit import check_max_tokens
+from kmesh.serve.request_fields import RequestFieldError
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest
 
 CHAT = [{"role": "user", "content": "Hi"}]

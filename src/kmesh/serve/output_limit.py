@@ -8,7 +8,7 @@ get_max_tokens). Left out, a completion generates 16 tokens and a chat the room 
 leaves, vLLM's defaults too.
 """
 
-from kmesh.serve.jobs import RequestFieldError
+from kmesh.serve.request_fields import RequestFieldError
 from kmesh.serve.schema import ChatCompletionRequest, GenerationRequest
 
 
