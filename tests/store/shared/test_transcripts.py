@@ -6,14 +6,16 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.tiny import TINY_HF_CONFIG
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest, restore
 from kmesh.recovery.jobs import RecoveryJob, RoundKey, RoundMirrors
+from kmesh.recovery.shared import Chain
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 from kmesh.store import TenantClients
+from kmesh.store.shared import group_state
 from kmesh.store.shared.group_state import read_piece
 from kmesh.store.shared.masters import StoreMasters
-from kmesh.store.shared.transcripts import Chain, StoreTranscripts
+from kmesh.store.shared.transcripts import StoreTranscripts
 from tests.conftest import random_tokens
 from tests.store.helpers import corrupt_segment
 
@@ -90,8 +92,9 @@ def test_a_job_after_its_whole_transcript_in_its_prefix_reads_no_piece(store):
     assert got.chain.ends == (20, 54) and got.k is None and got.nbytes == 0
 
 
-def test_mirrors_that_give_the_rows_back_are_published_instead_of_the_rows(store):
-    job = _job(["system", "persona", "a", "b", "ask2"], start=0)
+def _mirrored(store, job: RecoveryJob) -> tuple[_Pages, StoreMasters, RoundMirrors]:
+    """Pages whose rows of "a" and "b" are a round's master's, placed by the job's mirror; the
+    master published."""
     pages = _Pages(len(job.token_ids), seed=8)
     # The round's master holds "a" and "b"; this job's rows there are the master's, placed.
     segments = []
@@ -105,7 +108,12 @@ def test_mirrors_that_give_the_rows_back_are_published_instead_of_the_rows(store
     round_key = RoundKey(SALT, "council", "r1")
     masters = StoreMasters(TenantClients(store.socket), "f" * 64, CONFIG)
     masters.put(round_key, "sibling", tokens, master)
-    mirrors = RoundMirrors(round_key, "sibling", tokens, master, (mirror,))
+    return pages, masters, RoundMirrors(round_key, "sibling", tokens, master, (mirror,))
+
+
+def test_mirrors_that_give_the_rows_back_are_published_instead_of_the_rows(store):
+    job = _job(["system", "persona", "a", "b", "ask2"], start=0)
+    pages, masters, mirrors = _mirrored(store, job)
     StoreTranscripts(masters).publish(job, Chain(), pages, mirrors)
     reader = _transcripts(store)
     got = reader.restore(_job(["system", "persona", "a", "b", "ask"], start=0), 0)
@@ -125,6 +133,20 @@ def test_mirrors_that_give_the_rows_back_are_published_instead_of_the_rows(store
     StoreTranscripts(masters).publish(other, Chain(), pages, mirrors)
     got = _restore(store, _job(["system", "persona", "a", "b", "ask"], 0, other.tenant))
     assert got.k is not None and torch.equal(got.k, pages.k[:, :71])
+
+
+def test_a_mirrored_piece_is_hashed_once_when_it_is_published(store, monkeypatch):
+    job = _job(["system", "persona", "a", "b", "ask2"], start=0)
+    pages, masters, mirrors = _mirrored(store, job)
+    hashed: list[int] = []
+
+    def counted(k: torch.Tensor, v: torch.Tensor) -> str:
+        hashed.append(k.shape[1])
+        return kv_digest(k, v)
+
+    monkeypatch.setattr(group_state, "kv_digest", counted)
+    StoreTranscripts(masters).publish(job, Chain(), pages, mirrors)
+    assert hashed == [20, 51]  # the trunk (dense), then the member's mirrored piece: once each
 
 
 def test_a_corrupted_piece_cuts_the_chain_and_the_job_computes_from_there(store):

@@ -107,6 +107,28 @@ def restore_piece(
     piece: Piece, master: Master | None, config: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The piece's rows (k, v), each [L, end - start, H, D], checked against its digest."""
+    k, v = _rows(piece, master, config)
+    if kv_digest(k, v) != piece.digest:
+        raise PieceMismatch("the restored rows are not the rows the piece was published with")
+    return k, v
+
+
+def gives_back(
+    piece: Piece, master: Master | None, config: ModelConfig, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """Whether restoring the piece gives exactly rows k, v (those it was made of) back: their
+    bytes compared, so the rows `Piece.of` hashed are not hashed a second time."""
+    try:
+        rk, rv = _rows(piece, master, config)
+    except PieceMismatch:
+        return False
+    return _same_bytes(rk, k) and _same_bytes(rv, v)
+
+
+def _rows(
+    piece: Piece, master: Master | None, config: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The piece's rows, unchecked; PieceMismatch if its mirrors do not fit `master`."""
     if piece.mirrors and master is None:
         raise PieceMismatch("the piece's mirrors need their master")
     n = piece.end - piece.start
@@ -125,9 +147,15 @@ def restore_piece(
         rows = mirror.positions - piece.start
         k[:, rows] = mk
         v[:, rows] = mv
-    if kv_digest(k, v) != piece.digest:
-        raise PieceMismatch("the restored rows are not the rows the piece was published with")
     return k, v
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit identity, as equal kv_digests would say (NaN and -0.0 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = (t.detach().cpu().contiguous().view(torch.uint8) for t in (a, b))
+    return torch.equal(a, b)
 
 
 # -- payloads --------------------------------------------------------------------------------
@@ -271,14 +299,7 @@ def _unpack(kind: str, data: memoryview) -> tuple[dict[str, Any], dict[str, torc
         if body["format"] != _FORMAT or body["kind"] != kind:
             raise ValueError(f"a {body['kind']} payload of format {body['format']}")
         return body["head"], _tensors(data, _HEADER.size + length, body["tensors"])
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        AttributeError,
-        struct.error,
-        msgspec.DecodeError,
-    ) as e:
+    except _MALFORMED as e:
         raise StoreError(f"not a {kind} entry of format {_FORMAT}: {e}") from None
 
 

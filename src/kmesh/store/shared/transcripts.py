@@ -46,6 +46,7 @@ from kmesh.store.shared.group_state import (
     PieceMismatch,
     fetch,
     fetch_master,
+    gives_back,
     piece_payload,
     publish,
     read_piece,
@@ -213,9 +214,7 @@ class StoreTranscripts:
             if inside:
                 key = self.masters.key(mirrors.round, mirrors.master_choice, mirrors.tokens)
                 piece = Piece.of(start, k, v, inside, key)
-                try:
-                    restore_piece(piece, mirrors.master, self.config)
+                if gives_back(piece, mirrors.master, self.config, k, v):
                     return piece
-                except PieceMismatch:
-                    log.info("kmesh: mirrors do not give the rows back; the piece is dense")
+                log.info("kmesh: mirrors do not give the rows back; the piece is dense")
         return Piece.of(start, k, v)
