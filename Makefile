@@ -7,6 +7,7 @@ STAMP := $(VENV)/.kmesh-installed
 # The agent framework `kmesh bench council` drives, in its own venv (clients/autogen.txt says why).
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.kmesh-installed
+WORKERS ?= 2
 
 .PHONY: setup clients demo test lint typecheck unit clean
 
@@ -46,8 +47,11 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# Two pytest processes (pytest-xdist), each module's tests in one of them so its module fixtures
+# (a vLLM job, a server) run once; modules that start vLLM go first (tests/conftest.py). The
+# slowest tests stay visible at the end. `make unit WORKERS=0` runs in one process.
 unit: setup clients
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --durations=15
 
 test: lint typecheck unit
 

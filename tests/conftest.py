@@ -23,6 +23,14 @@ from kmesh.store.process import StoreProcess as RunningStore
 from kmesh.store.process import start_store as start_running_store
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that start vLLM run first, each module's tests kept together and in order: under
+    `make test`'s two processes (`--dist loadfile`) the longest modules start first, so neither
+    process is left alone with one at the end."""
+    starts_vllm = {item.path for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: item.path not in starts_vllm)
+
+
 @pytest.fixture(scope="session")
 def tiny() -> tuple[Executor, str]:
     return tiny_executor(seed=0)
