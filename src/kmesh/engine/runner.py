@@ -9,8 +9,8 @@ from kmesh.compute.executor import Executor, SequenceInput
 from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
-from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RecoveredRows, RequestRecovery
+from kmesh.recovery.jobs import RecoveredRows, RecoveryJob
+from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RequestRecovery
 from kmesh.recovery.shared import SharedState
 
 

@@ -5,7 +5,7 @@ with each finished request's stats.
 For each waiting request, vLLM reports its local prefix-cache hit (whole blocks); after it:
 - a request asking for recovery has its rows claimed for the worker half to fill
   (recovery_claims.py), and skips the store's blocks (the worker half restores and publishes
-  its transcript instead: kmesh/store/transcripts.py); in an engine that cannot recover
+  its transcript instead: kmesh/store/shared/transcripts.py); in an engine that cannot recover
   (recovery_support.py: no KMesh worker) it is refused up front, with the reason;
 - an activated request's rows before its start are claimed: its base blocks load from the store
   where published, the rest the worker half computes; while another request of this engine fills

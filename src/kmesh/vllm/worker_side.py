@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from kmesh.kv.block_pool import blocks_for
-from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
-from kmesh.recovery.requests import RecoveredRows, RequestRecovery
+from kmesh.recovery.jobs import RecoveredRows, RecoveryJob, RecoveryReport
+from kmesh.recovery.requests import RequestRecovery
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.shared.state import shared_through
@@ -109,7 +109,7 @@ class WorkerSide:
 
     def attach_recovery(self, recovery: RequestRecovery) -> None:
         """Recovery on vLLM's model; with a store, what it shares goes through it
-        (kmesh/store/shared_state.py)."""
+        (kmesh/store/shared/state.py)."""
         if self.store is not None:
             config = recovery.executor.config
             recovery.share(shared_through(self._client, recovery.fingerprint, config))
