@@ -1,6 +1,6 @@
 """A second vLLM instance on another "machine" restores an agent's transcript through the remote
 tier: instance A runs a council's rounds with KMeshConnector on store A and publishes each
-member's transcript as it recovers it (kmesh/store/shared/transcripts.py); store A writes it through to
+member's transcript as it recovers it (store/shared/transcripts.py); store A writes it through to
 the remote tier (Mooncake Store); instance B, started fresh on store B, serves the member's next
 round from it. The engines run in one child process (transcript_job.py)."""
 

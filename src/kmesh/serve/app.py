@@ -34,9 +34,10 @@ from pydantic import BaseModel
 from kmesh.serve.backend import Backend, Delta, EngineStoppedError, GenerationJob
 from kmesh.serve.branches import ChoiceText, Piece, run_choices
 from kmesh.serve.errors import INTERNAL_ERROR, add_error_handlers, route_of
-from kmesh.serve.jobs import RequestFieldError, chat_job, completion_job
+from kmesh.serve.jobs import chat_job, completion_job
 from kmesh.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kmesh.serve.output_limit import check_max_tokens
+from kmesh.serve.request_fields import RequestFieldError
 from kmesh.serve.schema import (
     CHAT,
     COMPLETION,

@@ -115,7 +115,7 @@ def segment_key(namespace: KeyNamespace, token_ids: Sequence[int], context: str)
 
 
 def piece_key(namespace: KeyNamespace, parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Key of a piece of held state (kmesh/store/shared/group_state.py): namespace, the key of the piece
+    """Key of a piece of held state (store/shared/group_state.py): namespace, the key of the piece
     before it (None for the first) and its tokens; like block_key, it stands for the whole
     transcript up to the piece's end, but a piece has any length and its own key space."""
     return _chained_key(_PIECE_KEY_VERSION, namespace, parent, token_ids)

@@ -84,15 +84,15 @@ class RoundSpec(BaseModel):
 
 class RecoverySpec(BaseModel):
     """Recovery of the prompt's rows after the engine's local prefix hit (the same in both engines,
-    kmesh/recovery/requests.py): each claims every row after the hit but the prompt's last
-    (vLLM, for policy full, whole pages only), and KMesh's executor fills them (on vLLM's own
-    weights inside vLLM). Policy "full" recomputes every claimed token (exact up to float
-    rounding) but a kept tail's (recovery/prefix_tails.py) or a transcript's restored from the
-    store (store/shared/transcripts.py: an earlier job's rows under the same salt); the other policies,
+    kmesh/recovery/requests.py): each claims every row after the hit but the prompt's last (vLLM,
+    for policy full, whole pages only), and KMesh's executor fills them (on vLLM's own weights
+    inside vLLM). Policy "full" recomputes every claimed token (exact up to float rounding) but a
+    kept tail's (recovery/prefix_tails.py) or a transcript's restored from the store
+    (store/shared/transcripts.py: an earlier job's rows under the same salt); the other policies,
     and every round, reuse stored segment KV or the round's master, re-rotated, and recompute
     `ratio` of it: approximate, so they need a cache_salt starting with APPROX_SALT_PREFIX (the
-    prefix cache then keeps their blocks apart from exact requests). A region whose check-layer
-    key deviation exceeds `gate` is left to the engine's own prefill."""
+    prefix cache then keeps their blocks apart from exact requests). A region whose check-layer key
+    deviation exceeds `gate` is left to the engine's own prefill."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -4,7 +4,7 @@ executor fills in the worker half (kmesh/recovery/requests.py) instead of vLLM c
 A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec) skips
 the store's blocks: its rows after the local hit, all but the prompt's last (a claim need not end on
 a block boundary; policy full claims whole blocks only), are claimed and filled by the worker half
-(from its transcript in the store where published, kmesh/store/shared/transcripts.py), which reports what
+(from its transcript in the store where published, store/shared/transcripts.py), which reports what
 it computed; blocks it could not fill (the quality gate, no model attached) come back as load errors
 and vLLM computes them. Recovery is refused (vLLM computes the prompt as usual) for LoRA requests,
 and an approximate one without a cache_salt starting with APPROX_SALT_PREFIX, so approximate KV
