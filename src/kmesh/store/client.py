@@ -31,11 +31,11 @@ import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kmesh.store.closing import Closing
 from kmesh.store.connection import Connection
 from kmesh.store.errors import EntryLost, StoreError, StoreRefused
 from kmesh.store.protocol import (
@@ -119,7 +119,7 @@ def _short(key: bytes) -> str:
     return key.hex()[:16]
 
 
-class StoreClient:
+class StoreClient(Closing):
     """One connection to a store, on behalf of one tenant (None: the shared namespace)."""
 
     def __init__(
@@ -294,17 +294,6 @@ class StoreClient:
 
     def close(self) -> None:
         self._connection.close()
-
-    def __enter__(self) -> "StoreClient":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _acquire(self, keys: Sequence[bytes], wait: float, family: str | None) -> Acquired:
         checked = _check_keys(keys)

@@ -7,17 +7,17 @@ import mmap
 import os
 import re
 from collections.abc import Callable, Mapping
-from types import TracebackType
 from typing import Any
 
 import msgspec
 
+from kmesh.store.closing import Closing
 from kmesh.store.errors import StoreUnavailable
 from kmesh.store.protocol import MAX_META_BYTES, checksum
 from kmesh.store.tier import SHM_DIR
 
 
-class Mapped:
+class Mapped(Closing):
     """A verified entry mapped into this process. `data` is a read-only view of the shared
     memory (no copy); drop every array made from it, then `close` (or use `with`)."""
 
@@ -44,17 +44,6 @@ class Mapped:
                 "an array or tensor made from Mapped.data is still alive; copy out and drop it "
                 "before closing"
             ) from None
-
-    def __enter__(self) -> "Mapped":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 _meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
