@@ -23,7 +23,7 @@ from typing import Any
 
 from kmesh.compute.fingerprint import model_fingerprint
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
-from kmesh.state.request_meta import RecoverySpec, recovery_refusal
+from kmesh.state.request_meta import recovery_refusal
 from kmesh.store.policy import TenantKey
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KeepOutput, KMeshConnectorMetadata, LoadBlock
@@ -133,9 +133,10 @@ class SchedulerSide:
             self._fill_base(request, tracked, block_ids, num_external_tokens)
             return
         if tracked.recovering and params is not None and params.recovery is not None:
-            start = tracked.local_tokens
-            end = start + num_external_tokens
-            self._recover(request, tracked, block_ids, (start, end), params.recovery, params.family)
+            rows = (tracked.local_tokens, tracked.local_tokens + num_external_tokens)
+            spec, family = params.recovery, params.family
+            job = recovery_job(request, tracked, block_ids, rows, spec, family, self.block_size)
+            self._recoveries.append(job)
             return
         self._load_hits(tracked, block_ids, num_external_tokens // self.block_size)
 
@@ -156,20 +157,10 @@ class SchedulerSide:
         start = tracked.local_tokens + tracked.loaded_tokens
         end = tracked.local_tokens + num_external_tokens
         if start < end:
-            self._recover(request, tracked, block_ids, (start, end), BASE_FILL, None)
-
-    def _recover(
-        self,
-        request: Any,
-        tracked: Tracked,
-        block_ids: list[int],
-        rows: tuple[int, int],
-        spec: RecoverySpec,
-        family: str | None,
-    ) -> None:
-        """Queue a recovery job filling the request's rows [start, end) for the worker."""
-        job = recovery_job(request, tracked, block_ids, rows, spec, family, self.block_size)
-        self._recoveries.append(job)
+            job = recovery_job(
+                request, tracked, block_ids, (start, end), BASE_FILL, None, self.block_size
+            )
+            self._recoveries.append(job)
 
     def build_connector_meta(self, scheduler_output: Any) -> KMeshConnectorMetadata:
         meta = KMeshConnectorMetadata(
