@@ -148,23 +148,34 @@ def create_app(
         _unknown(body, strict_fields)
         return detokenize(body, backend)
 
+    async def generate(
+        request: Request,
+        body: GenerationRequest,
+        shape: ResponseShape,
+        make_job: Callable[[], GenerationJob],
+        tenant: str | None,
+    ) -> Response:
+        """A generation route's answer: the body checked, then the job `make_job` builds from
+        it (under the tenant's salt) run and answered in `shape`."""
+        _unknown(body, strict_fields)
+        check_max_tokens(body, backend.max_model_len)
+        return await _respond(backend, _of_tenant(make_job(), tenant), shape, body, request)
+
     @app.post("/v1/completions")
     async def completions(
         request: Request, body: CompletionRequest, tenant: str | None = Depends(tenant)
     ) -> Response:
-        _unknown(body, strict_fields)
-        check_max_tokens(body, backend.max_model_len)
-        job = _of_tenant(completion_job(body, backend), tenant)
-        return await _respond(backend, job, COMPLETION, body, request)
+        return await generate(
+            request, body, COMPLETION, lambda: completion_job(body, backend), tenant
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
         request: Request, body: ChatCompletionRequest, tenant: str | None = Depends(tenant)
     ) -> Response:
-        _unknown(body, strict_fields)
-        check_max_tokens(body, backend.max_model_len)
-        job = _of_tenant(chat_job(body, backend, reuse_messages), tenant)
-        return await _respond(backend, job, CHAT, body, request)
+        return await generate(
+            request, body, CHAT, lambda: chat_job(body, backend, reuse_messages), tenant
+        )
 
     return app
 
