@@ -139,15 +139,11 @@ class Council:
     def __init__(self, cfg: AllGatherConfig, tokenizer: Any) -> None:
         self.cfg = cfg
         self._chat = chat = ChatML(tokenizer)
-        self._system = Segment(
-            chat.message("system", SYSTEM), Role.SHARED, "system", SYSTEM, "system"
-        )
+        self._system = chat.message_segment("system", SYSTEM, Role.SHARED, "system")
         self._personas = [
-            Segment(chat.message("user", t), Role.PRIVATE, f"persona-{a}", t, "user")
-            for a, t in ((a, _persona_text(cfg, a)) for a in range(cfg.agents))
+            chat.message_segment("user", _persona_text(cfg, a), Role.PRIVATE, f"persona-{a}")
+            for a in range(cfg.agents)
         ]
-        self._tokenizer = tokenizer
-        self._end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self._history: list[list[Segment]] = []  # per earlier round: output segments by author
 
     def prompts(self) -> list[SegmentedPrompt]:
@@ -183,11 +179,9 @@ class Council:
         said = []
         for a, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             output_ids = tuple(output)
-            text = self._tokenizer.decode(list(output_ids), skip_special_tokens=True).strip()
+            text = chat.decode(output_ids)
             turns.append(AgentTurn(r, a, prompt, output_ids, text))
-            # The author's exact tokens, closed like a message if generation was cut short.
-            ended = bool(output_ids) and output_ids[-1] == self._end_id
-            body = output_ids if ended else (*output_ids, self._end_id)
+            body = chat.closed(output_ids)
             header = chat.tokens(f"<|im_start|>user\nMember {a + 1} said: ")
             said.append(
                 Segment(header + body + newline, Role.SHARED, output_segment_id(r, a), text, "user")

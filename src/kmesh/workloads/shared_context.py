@@ -106,8 +106,7 @@ def _write_notes(engine: Engine, tokenizer: Any, context_tokens: int, seed: int)
     ]
     body: tuple[int, ...] = ()
     for i, out in enumerate(engine.generate(requests)):
-        text = tokenizer.decode(list(out.output_ids), skip_special_tokens=True).strip()
-        body += chat.tokens(f"Report {i + 1}: {text}\n")
+        body += chat.tokens(f"Report {i + 1}: {chat.decode(out.output_ids)}\n")
     if len(body) < body_tokens:
         raise InvalidRequestError(
             f"the notes hold {len(body)} tokens, fewer than the {body_tokens} asked for: "

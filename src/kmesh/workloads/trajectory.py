@@ -61,15 +61,11 @@ class Trajectories:
     def __init__(self, cfg: TrajectoryConfig, tokenizer: Any) -> None:
         self.cfg = cfg
         self._chat = chat = ChatML(tokenizer)
-        self._system = Segment(
-            chat.message("system", SYSTEM), Role.SHARED, "system", SYSTEM, "system"
-        )
+        self._system = chat.message_segment("system", SYSTEM, Role.SHARED, "system")
         self._tasks = [
-            Segment(chat.message("user", t), Role.PRIVATE, f"task-{a}", t, "user")
-            for a, t in ((a, TASKS[a % len(TASKS)]) for a in range(cfg.agents))
+            chat.message_segment("user", TASKS[a % len(TASKS)], Role.PRIVATE, f"task-{a}")
+            for a in range(cfg.agents)
         ]
-        self._tokenizer = tokenizer
-        self._end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self._ask = chat.generation_prompt()
         self._history: list[list[Segment]] = [[] for _ in range(cfg.agents)]
 
@@ -91,17 +87,14 @@ class Trajectories:
         turns = []
         for a, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             output_ids = tuple(output)
-            text = self._tokenizer.decode(list(output_ids), skip_special_tokens=True).strip()
+            text = self._chat.decode(output_ids)
             turns.append(AgentTurn(t, a, prompt, output_ids, text))
-            ended = bool(output_ids) and output_ids[-1] == self._end_id
-            body = output_ids if ended else (*output_ids, self._end_id)
+            body = self._chat.closed(output_ids)
             step = Segment(
                 self._ask + body + newline, Role.PRIVATE, f"step-{t}-{a}", text, "assistant"
             )
             result = self._tool_result(a, t)
-            tool = Segment(
-                self._chat.message("user", result), Role.PRIVATE, f"tool-{t}-{a}", result, "user"
-            )
+            tool = self._chat.message_segment("user", result, Role.PRIVATE, f"tool-{t}-{a}")
             self._history[a] += [step, tool]
         return turns
 
