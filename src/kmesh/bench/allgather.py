@@ -156,6 +156,11 @@ class AllGatherBench:
             "new_tokens_per_round": new_tokens(self.rounds),
         }
 
+    def _add_dense_outputs(self, run: StrategyRun, r: int) -> None:
+        """Count round r's outputs (none in round 0), held densely, in the run's KV per agent."""
+        if r > 0:
+            run.kv_bytes_per_agent += self.inputs.dense_output_bytes(self.rounds[r][0], r)
+
     # --- the four strategies -------------------------------------------------------------------
 
     def run_full(self) -> StrategyRun:
@@ -168,8 +173,7 @@ class AllGatherBench:
             run.add(r, seconds=time.perf_counter() - started)
             self._finish_round(run, r, turns, [None] * len(turns), recovered)
             self.inputs.store_outputs(r, turns, recovered)
-            if r > 0:
-                run.kv_bytes_per_agent += self.inputs.dense_output_bytes(self.rounds[r][0], r)
+            self._add_dense_outputs(run, r)
         return run
 
     def run_prefix(self) -> StrategyRun:
@@ -177,8 +181,7 @@ class AllGatherBench:
         transcripts = self._start(run)
         for r in range(len(self.rounds)):
             self._prefill_after_transcripts(run, r, transcripts)
-            if r > 0:
-                run.kv_bytes_per_agent += self.inputs.dense_output_bytes(self.rounds[r][0], r)
+            self._add_dense_outputs(run, r)
         return run
 
     def run_per_request(self) -> StrategyRun:
@@ -191,8 +194,7 @@ class AllGatherBench:
             ]
             recovered = recover(self.executor, regions, self.cfg.recovery(self.cfg.recompute_ratio))
             run.add(r, seconds=time.perf_counter() - started)
-            if r > 0:
-                run.kv_bytes_per_agent += self.inputs.dense_output_bytes(self.rounds[r][0], r)
+            self._add_dense_outputs(run, r)
             self._finish_round(run, r, turns, transcripts, recovered)
         return run
 
