@@ -1,6 +1,7 @@
 """Shared factories: a tiny random Llama for exactness, the embedded model for real outputs, a
 real store process per test (`python -m kmesh.cli store serve`, killed at teardown)."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,24 @@ from kmesh.engine.engine import Engine
 from kmesh.store import StoreClient
 from kmesh.store.process import StoreProcess as RunningStore
 from kmesh.store.process import start_store as start_running_store
+
+
+def _one_thread_per_worker() -> None:
+    """Under `make test`'s pytest-xdist processes (PYTEST_XDIST_WORKER=gwN), each process and what
+    it starts (kmesh commands, servers, vLLM jobs) computes on one thread, vLLM's bound to core N:
+    two processes of two threads on two cores only contend (measured here, quiet: a 2-agent
+    `kmesh bench allgather` took 25.9 s on two threads and 25.8 s on one, the same JSON)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = "1"
+    core = cores[int(worker.removeprefix("gw")) % len(cores)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    torch.set_num_threads(1)
+
+
+_one_thread_per_worker()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
