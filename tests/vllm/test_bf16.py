@@ -27,6 +27,10 @@ LOGPROB_TOL = 0.25
 
 
 JOB = "bf16_job.py"
+# NOTE: bfloat16 near-ties follow the kernels' reduction order, which follows the thread count: the
+# suffixes were chosen on vLLM's own binding (both cores here). On one thread (as make test's
+# processes run other jobs) suffix "d" flips at a near-tie, so this job keeps vLLM's binding.
+JOB_ALL_CORES = True
 
 
 @pytest.fixture(scope="module")
