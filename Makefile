@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kmesh-installed
 # The agent framework `kmesh bench council` drives, in its own venv (clients/autogen.txt says why).
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.kmesh-installed
-WORKERS ?= 2
+WORKERS ?= 3
 
 .PHONY: setup clients demo test lint typecheck unit clean
 
@@ -47,11 +47,12 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# Two pytest processes (pytest-xdist), each module's tests in one of them so its module fixtures
-# (a vLLM job, a server) run once; modules that start vLLM go first (tests/conftest.py). The
-# slowest tests stay visible at the end. `make unit WORKERS=0` runs in one process.
+# Three pytest processes (pytest-xdist) on one thread each, each module's tests in one of them so
+# its module fixtures (a vLLM job, a server) run once; modules go in collection order, which puts
+# the ones that start vLLM first (tests/conftest.py). The slowest tests stay visible at the end.
+# `make unit WORKERS=0` runs in one process.
 unit: setup clients
-	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --durations=15
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: lint typecheck unit
 

@@ -26,9 +26,10 @@ from kmesh.store.process import start_store as start_running_store
 
 def _one_thread_per_worker() -> None:
     """Under `make test`'s pytest-xdist processes (PYTEST_XDIST_WORKER=gwN), each process and what
-    it starts (kmesh commands, servers, vLLM jobs) computes on one thread, vLLM's bound to core N:
-    two processes of two threads on two cores only contend (measured here, quiet: a 2-agent
-    `kmesh bench allgather` took 25.9 s on two threads and 25.8 s on one, the same JSON)."""
+    it starts (kmesh commands, servers, vLLM jobs) computes on one thread, vLLM's bound to core N
+    modulo the cores: processes of two threads on two shared cores only contend (measured here,
+    quiet: a 2-agent `kmesh bench allgather` took 25.9 s on two threads and 25.8 s on one, the
+    same JSON)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None:
         return
@@ -44,8 +45,9 @@ _one_thread_per_worker()
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules that start vLLM run first, each module's tests kept together and in order: under
-    `make test`'s two processes (`--dist loadfile`) the longest modules start first, so neither
-    process is left alone with one at the end."""
+    `make test`'s processes (`--dist loadfile --no-loadscope-reorder`: xdist would otherwise put
+    the modules with most tests first) the longest modules start first, so no process is left
+    alone with one at the end."""
     starts_vllm = {item.path for item in items if item.get_closest_marker("vllm")}
     items.sort(key=lambda item: item.path not in starts_vllm)
 
