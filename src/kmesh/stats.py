@@ -22,6 +22,9 @@ COUNTERS = {
     "stored KV.",
     "kmesh_recovery_fallbacks": "Recoveries the quality gate (or a failure) handed back to the "
     "engine's own prefill.",
+    "kmesh_round_masters": "Round masters built: a round's first sibling computed exactly, or "
+    "its outputs recovered in the family's common context (once per family and round unless "
+    "recovery's byte bound dropped the master).",
 }
 
 
@@ -32,6 +35,7 @@ class RequestCounts:
     tokens: dict[str, float]  # TOKEN_KINDS
     recovery: dict[str, float]  # RECOVERY_KINDS
     fallbacks: int
+    masters: int  # round masters this request built (0 or 1)
 
 
 def request_counts(stats: dict[str, Any]) -> RequestCounts:
@@ -44,9 +48,10 @@ def request_counts(stats: dict[str, Any]) -> RequestCounts:
         tokens[kind] = stats.get(f"{kind}_tokens", 0)
     recovery = stats.get("recovery")
     if not isinstance(recovery, dict):
-        return RequestCounts(tokens, dict.fromkeys(RECOVERY_KINDS, 0.0), 0)
+        return RequestCounts(tokens, dict.fromkeys(RECOVERY_KINDS, 0.0), 0, 0)
     spent = {kind: recovery.get(f"{kind}_tokens", 0) for kind in RECOVERY_KINDS}
-    return RequestCounts(tokens, spent, int(bool(recovery.get("fell_back"))))
+    fallbacks = int(bool(recovery.get("fell_back")))
+    return RequestCounts(tokens, spent, fallbacks, int(recovery.get("master_bytes", 0) > 0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ def test_a_served_request_counts_its_tokens_and_their_split():
         "recovery": {"fell_back": True, "computed_tokens": 6, "reused_tokens": 0},
     }
     metrics.served("POST /v1/completions", stats, 0.5)
-    recovery = {"fell_back": False, "computed_tokens": 1.5, "reused_tokens": 4}
+    recovery = {"fell_back": False, "computed_tokens": 1.5, "reused_tokens": 4, "master_bytes": 9}
     metrics.served("POST /v1/completions", {**stats, "recovery": recovery}, 0.5)
     got = samples(metrics)
     route = (("route", "POST /v1/completions"), ("status", "200"))
@@ -38,6 +38,7 @@ def test_a_served_request_counts_its_tokens_and_their_split():
         assert got[("kmesh_tokens_total", (("kind", kind),))] == count
     assert got[("kmesh_tokens_total", (("kind", "recovered"),))] == 12
     assert got[("kmesh_recovery_fallbacks_total", ())] == 1
+    assert got[("kmesh_round_masters_total", ())] == 1  # the second built a master
     assert got[("kmesh_recovery_tokens_total", (("kind", "computed"),))] == 7.5
     assert got[("kmesh_recovery_tokens_total", (("kind", "reused"),))] == 4
     assert got[("kmesh_request_seconds_count", ())] == 2

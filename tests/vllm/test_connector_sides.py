@@ -338,7 +338,7 @@ def test_a_report_of_a_request_finished_in_the_same_step_reaches_its_stats(store
 def test_finished_requests_reach_vllms_metrics_once_with_their_recovery_report(store):
     scheduler, req = claimed_for_recovery(store)
     stats = finish(scheduler, req)
-    scheduler.recovery_reports({"a": RecoveryReport(5.5, 0.0, 0, 0, 3, 0.02, False)})
+    scheduler.recovery_reports({"a": RecoveryReport(5.5, 0.0, 4096, 0, 3, 0.02, False)})
     [taken] = scheduler.take_finished()
     assert taken == {**stats, "completion_tokens": 2}
     assert "completion_tokens" not in stats  # the caller's stats are unchanged
@@ -361,6 +361,7 @@ def test_finished_requests_reach_vllms_metrics_once_with_their_recovery_report(s
     assert value("kmesh_tokens_total", {**labels, "kind": "generation"}) == 4
     assert value("kmesh_recovery_tokens_total", {**labels, "kind": "computed"}) == 11
     assert value("kmesh_recovery_fallbacks_total", labels) == 0
+    assert value("kmesh_round_masters_total", labels) == 2  # it built a master, counted twice
 
 
 def test_without_a_store_vllm_computes_everything(tmp_path):

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from kmesh.bench.server_metrics import server_counters
 from kmesh.errors import InvalidRequestError
 from kmesh.serve.process import ServerProcess, start_kmesh_serve, start_vllm_server
 
@@ -89,29 +89,6 @@ def client_python(given: str | None) -> Path:
     return path
 
 
-def server_counters(url: str) -> dict[str, float]:
-    """Prompt and computed tokens so far, read from a kmesh serve or vLLM server's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            kind = sample.labels.get("kind")
-            name = f"{sample.name}{{{kind}}}" if kind else sample.name
-            sums[name] = sums.get(name, 0.0) + sample.value
-    if "vllm:prompt_tokens_total" in sums:
-        prompt = sums["vllm:prompt_tokens_total"]
-        return {"prompt": prompt, "computed": prompt - sums["vllm:prompt_tokens_cached_total"]}
-    counts = {
-        kind: sums.get(f"kmesh_tokens_total{{{kind}}}", 0.0)
-        for kind in ("prompt", "reused", "restored", "recovered")
-    }
-    counts["computed"] = sums.get("kmesh_tokens_total{computed}", 0.0) + sums.get(
-        "kmesh_recovery_tokens_total{computed}", 0.0
-    )
-    counts["fallbacks"] = sums.get("kmesh_recovery_fallbacks_total", 0.0)
-    return counts
-
-
 def run_council(
     python: Path, url: str, model_id: str, cfg: CouncilConfig, work: Path
 ) -> list[CouncilRound]:
@@ -145,7 +122,7 @@ def run_council(
                 client.wait(timeout=60)
                 raise RuntimeError(f"the council client failed:\n{log.read_text()[-5000:]}")
             after = server_counters(url)
-            delta = {k: after[k] - before.get(k, 0.0) for k in after}
+            delta = {k: after[k] - before.get(k, 0.0) for k in after if k != "kv_usage"}
             rounds.append(CouncilRound(json.loads(line)["messages"], delta))
             before = after
             client.stdin.write("\n")

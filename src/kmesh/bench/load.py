@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import psutil
 
+from kmesh.bench.common import quantile
 from kmesh.bench.load_client import ExchangeResult, send_exchange
 from kmesh.errors import InvalidRequestError
 from kmesh.serve.process import start_kmesh_serve, start_vllm_server
@@ -112,13 +113,6 @@ def slope_per_minute(samples: list[tuple[float, float]]) -> float:
         if var == 0
         else 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
     )
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _soak(cfg: LoadConfig, url: str, pid: int, store: str | None, log: Any) -> dict[str, Any]:
@@ -283,10 +277,10 @@ def report(
         "checked_exact": check["checked"],
         "wrong_examples": check["wrong"][:5],
         "latency_s": {
-            "first_token_p50": _quantile(firsts, 0.5),
-            "first_token_p99": _quantile(firsts, 0.99),
-            "total_p50": _quantile(totals, 0.5),
-            "total_p99": _quantile(totals, 0.99),
+            "first_token_p50": quantile(firsts, 0.5),
+            "first_token_p99": quantile(firsts, 0.99),
+            "total_p50": quantile(totals, 0.5),
+            "total_p99": quantile(totals, 0.99),
         },
         "rss_mib": samples,
         "rss_slope_mib_per_min": slope_per_minute([(s["t"], s["rss_mib"]) for s in warm]),

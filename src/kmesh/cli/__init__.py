@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from kmesh.cli import (
     adapters,
+    bench_agents,
     bench_allgather,
     bench_capacity,
     bench_council,
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_council,
         bench_load,
         bench_capacity,
+        bench_agents,
     ):
         command.register(benches)
     adapters.register(commands)

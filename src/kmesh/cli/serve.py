@@ -39,12 +39,24 @@ def _serve(args: argparse.Namespace) -> None:
         from kmesh.store.server import parse_size
 
         recovery_bytes = parse_size(args.recovery_bytes, "--recovery-bytes")
+    kv_cache_bytes = None
+    if args.kv_cache is not None:
+        from kmesh.store.server import parse_size
+
+        if args.engine != "vllm":
+            raise InvalidRequestError("--kv-cache sizes vLLM's KV cache: it needs --engine vllm")
+        kv_cache_bytes = parse_size(args.kv_cache, "--kv-cache")
     listener = _listen(args.host, args.port)
     backend: Backend
     if args.engine == "vllm":
         from kmesh.serve.vllm_backend import VLLMBackend
 
-        backend = VLLMBackend(args.model, store=args.store, recovery_bytes=recovery_bytes)
+        backend = VLLMBackend(
+            args.model,
+            store=args.store,
+            recovery_bytes=recovery_bytes,
+            kv_cache_bytes=kv_cache_bytes,
+        )
         print("kmesh serve: starting vLLM (about a minute on 2 cores)...", flush=True)
     else:
         from kmesh.serve.reference_backend import ReferenceBackend
@@ -126,6 +138,12 @@ def register(commands: Commands) -> None:
         metavar="SIZE",
         help="what recovery keeps (stored segments, round masters) at most, like 256M "
         "(default 1G; least recently used dropped first)",
+    )
+    serve.add_argument(
+        "--kv-cache",
+        default=None,
+        metavar="SIZE",
+        help="--engine vllm: vLLM's KV cache, like 2G (default 1G)",
     )
     serve.add_argument(
         "--api-keys",

@@ -3,7 +3,8 @@
 Counted per finished request (kmesh.serve.app): requests by route and HTTP status, prompt and
 generated tokens, and KMesh's split of the prompt tokens (computed, reused from the local prefix
 cache, restored from the store, recovered by KMesh's executor), what recovered rows cost,
-recoveries that fell back to the engine's own prefill, and request seconds. A request refused
+recoveries that fell back to the engine's own prefill, round masters built, and request
+seconds. A request refused
 before it ran counts only in `kmesh_requests_total`. Read from the engine at each scrape: its
 running and waiting requests, the share of its KV cache in use, and the tokens it has computed.
 """
@@ -68,6 +69,9 @@ class ServeMetrics:
         self.fallbacks = Counter(
             "kmesh_recovery_fallbacks", COUNTERS["kmesh_recovery_fallbacks"], registry=self.registry
         )
+        self.masters = Counter(
+            "kmesh_round_masters", COUNTERS["kmesh_round_masters"], registry=self.registry
+        )
         self.seconds = Histogram(
             "kmesh_request_seconds",
             "Seconds from arrival to the last token.",
@@ -84,6 +88,7 @@ class ServeMetrics:
         for kind, n in counts.recovery.items():
             self.recovery.labels(kind).inc(n)
         self.fallbacks.inc(counts.fallbacks)
+        self.masters.inc(counts.masters)
 
     def refused(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -28,6 +28,7 @@ class VLLMBackend:
         model: what to serve.
         store: socket of a `kmesh store serve` process, handed to KMeshConnector.
         recovery_bytes: what the connector's worker keeps for recovery at most (None: 1 GiB).
+        kv_cache_bytes: vLLM's KV cache (None: kmesh.vllm.config's default, 1 GiB).
     """
 
     engine = "vllm"
@@ -38,10 +39,14 @@ class VLLMBackend:
         *,
         store: str | None = None,
         recovery_bytes: int | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
-        self._engine_kwargs = vllm_engine_kwargs(model, store=store, recovery_bytes=recovery_bytes)
+        kv = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+        self._engine_kwargs = vllm_engine_kwargs(
+            model, store=store, recovery_bytes=recovery_bytes, **kv
+        )
         path = Path(self._engine_kwargs["model"])
         self.model_id = path.name
         self.tokenizer = AutoTokenizer.from_pretrained(path)

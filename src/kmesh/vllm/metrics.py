@@ -1,6 +1,6 @@
-"""KMeshConnector's counters in vLLM's own metrics: the same kmesh_tokens, kmesh_recovery_tokens
-and kmesh_recovery_fallbacks as `kmesh serve` (both named in kmesh/stats.py), on a plain vLLM
-server's /metrics, with vLLM's model_name and engine labels.
+"""KMeshConnector's counters in vLLM's own metrics: the same kmesh_tokens, kmesh_recovery_tokens,
+kmesh_recovery_fallbacks and kmesh_round_masters as `kmesh serve` (both named in kmesh/stats.py),
+on a plain vLLM server's /metrics, with vLLM's model_name and engine labels.
 
 vLLM's path (vllm/v1/core/sched/scheduler.py, vllm/v1/metrics/loggers.py): after each step the
 scheduler asks the connector for stats (`get_kv_connector_stats`); the scheduler side hands the
@@ -18,13 +18,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kmesh.stats import COUNTERS, RECOVERY_KINDS, TOKEN_KINDS, request_counts
 
-# KMeshConnectorStats.data: flat sums, "tokens.<kind>", "recovery.<kind>", "fallbacks", "requests".
+# KMeshConnectorStats.data: flat sums, "tokens.<kind>", "recovery.<kind>", "fallbacks",
+# "masters", "requests".
 FIELDS = (
     *(f"tokens.{kind}" for kind in TOKEN_KINDS),
     *(f"recovery.{kind}" for kind in RECOVERY_KINDS),
     "fallbacks",
+    "masters",
     "requests",
 )
+# The unlabelled counters: field -> counter name.
+PLAIN_COUNTERS = {"fallbacks": "kmesh_recovery_fallbacks", "masters": "kmesh_round_masters"}
 
 
 def finished_counts(finished: list[dict[str, Any]]) -> dict[str, float]:
@@ -37,6 +41,7 @@ def finished_counts(finished: list[dict[str, Any]]) -> dict[str, float]:
         for kind, n in counts.recovery.items():
             data[f"recovery.{kind}"] += n
         data["fallbacks"] += counts.fallbacks
+        data["masters"] += counts.masters
         data["requests"] += 1
     return data
 
@@ -77,13 +82,12 @@ class KMeshPromMetrics(KVConnectorPromMetrics):
             for engine, values in per_engine_labelvalues.items():
                 for kind in kinds:
                     self._counters[engine][prefix + kind] = counter.labels(*values, kind)
-        fallbacks = self._counter_cls(
-            name="kmesh_recovery_fallbacks",
-            documentation=COUNTERS["kmesh_recovery_fallbacks"],
-            labelnames=labelnames,
-        )
-        for engine, values in per_engine_labelvalues.items():
-            self._counters[engine]["fallbacks"] = fallbacks.labels(*values)
+        for field, name in PLAIN_COUNTERS.items():
+            plain = self._counter_cls(
+                name=name, documentation=COUNTERS[name], labelnames=labelnames
+            )
+            for engine, values in per_engine_labelvalues.items():
+                self._counters[engine][field] = plain.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for field, counter in self._counters[engine_idx].items():

@@ -124,7 +124,8 @@ def order_for(cfg: AllGatherConfig, round_index: int, agent: int) -> list[int]:
     return authors
 
 
-def _persona_text(cfg: AllGatherConfig, agent: int) -> str:
+def persona_text(agent: int) -> str:
+    """Agent `agent`'s persona and private notes (notes of different lengths)."""
     who, concern = PERSONAS[agent % len(PERSONAS)]
     # Private histories of different lengths: agent a gets (a % 4) + 1 notes.
     notes = " ".join(NOTES[: agent % len(NOTES) + 1])
@@ -141,7 +142,7 @@ class Council:
         self._chat = chat = ChatML(tokenizer)
         self._system = chat.message_segment("system", SYSTEM, Role.SHARED, "system")
         self._personas = [
-            chat.message_segment("user", _persona_text(cfg, a), Role.PRIVATE, f"persona-{a}")
+            chat.message_segment("user", persona_text(a), Role.PRIVATE, f"persona-{a}")
             for a in range(cfg.agents)
         ]
         self._history: list[list[Segment]] = []  # per earlier round: output segments by author

@@ -13,7 +13,7 @@ Turns are AgentTurn objects (workloads/allgather.py): `round` is the turn.
 """
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,18 +93,20 @@ class Trajectories:
             step = Segment(
                 self._ask + body + newline, Role.PRIVATE, f"step-{t}-{a}", text, "assistant"
             )
-            result = self._tool_result(a, t)
+            result = tool_result(self.cfg.seed, a, t, self.cfg.tool_tokens, self._chat.tokens)
             tool = self._chat.message_segment("user", result, Role.PRIVATE, f"tool-{t}-{a}")
             self._history[a] += [step, tool]
         return turns
 
-    def _tool_result(self, agent: int, turn: int) -> str:
-        """About `tool_tokens` tokens of tool output, fixed by (seed, agent, turn)."""
-        rng = random.Random(f"{self.cfg.seed}-{agent}-{turn}")
-        lines = ["Tool result:"]
-        while len(self._chat.tokens("\n".join(lines))) < self.cfg.tool_tokens:
-            lines.append(
-                f"{rng.choice(_FILES)}:{rng.randrange(1, 900)} {rng.choice(_EVENTS)} "
-                f"({rng.randrange(1, 99)} ms)"
-            )
-        return "\n".join(lines)
+
+def tool_result(seed: int, agent: int, turn: int, tokens: int, count: Callable[[str], Any]) -> str:
+    """About `tokens` tokens (as `count` tokenizes) of synthetic tool output, fixed by (seed,
+    agent, turn)."""
+    rng = random.Random(f"{seed}-{agent}-{turn}")
+    lines = ["Tool result:"]
+    while len(count("\n".join(lines))) < tokens:
+        lines.append(
+            f"{rng.choice(_FILES)}:{rng.randrange(1, 900)} {rng.choice(_EVENTS)} "
+            f"({rng.randrange(1, 99)} ms)"
+        )
+    return "\n".join(lines)

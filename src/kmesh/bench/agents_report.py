@@ -1,0 +1,92 @@
+"""The table and the plot of a `kmesh bench agents` report (bench/agents_summary.py: its
+fields)."""
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+HEADER = (
+    "strategy",
+    "agents",
+    "makespan s",
+    "/ vllm",
+    "TTFT p50 / p99 s",
+    "computed tokens per round",
+    "last round computed / new",
+    "masters per round",
+    "identical to vllm",
+    "failures",
+)
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    cfg = result["config"]
+    table = Table(
+        *HEADER,
+        title=(
+            f"bench agents: {cfg['workload']}, {cfg['rounds']} rounds, {cfg['max_tokens']} greedy "
+            f"tokens per message, engine {cfg['engine']}, KV cache {cfg['kv_cache']}, all of a "
+            f"round's agents at once (closed loop); SLO: TTFT p99 <= {cfg['slo_ttft_s']:g} s"
+        ),
+    )
+    strategies = result["strategies"]
+    vllm = strategies["vllm"]["by_agents"]
+    for name, run in strategies.items():
+        for n, f in run["by_agents"].items():
+            table.add_row(
+                name,
+                n,
+                f"{f['makespan_s']:.1f}",
+                f"{f['makespan_s'] / vllm[n]['makespan_s']:.2f}",
+                f"{f['ttft_p50_s']:.2f} / {f['ttft_p99_s']:.2f}",
+                " / ".join(f"{c:.0f}" for c in f["computed_tokens"]),
+                _number(f["last_round_computed_over_new"]),
+                " / ".join("-" if m is None else f"{m:.0f}" for m in f["masters_built"]),
+                " / ".join(f"{s:.2f}" for s in f["identical_to_vllm"]),
+                str(len(f["failures"])),
+            )
+    console.print(table)
+    held = ", ".join(f"{name} {run['max_agents_under_slo']}" for name, run in strategies.items())
+    console.print(f"agents held under the SLO: {held}")
+    exact = strategies.get("kmesh_exact", {}).get("by_agents", {})
+    for n, f in exact.items():
+        check = f.get("serial_check")
+        if check is not None:
+            console.print(
+                f"kmesh_exact, {n} agents, sent again one at a time: "
+                f"{check['calls'] - len(check['different'])} of {check['calls']} identical"
+            )
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Agents on x; the run's makespan and its TTFT p99 per strategy, the SLO dashed."""
+    cfg = result["config"]
+    figure = Figure(figsize=(11, 4.5))
+    FigureCanvasAgg(figure)
+    makespan, ttft = figure.subplots(1, 2)
+    for name, run in result["strategies"].items():
+        counts = [int(n) for n in run["by_agents"]]
+        figures = list(run["by_agents"].values())
+        makespan.plot(counts, [f["makespan_s"] for f in figures], marker="o", label=name)
+        ttft.plot(counts, [f["ttft_p99_s"] for f in figures], marker="o", label=name)
+    ttft.axhline(cfg["slo_ttft_s"], linestyle="--", color="grey", label="SLO")
+    for axes, label in ((makespan, "makespan of all rounds (s)"), (ttft, "TTFT p99 (s)")):
+        axes.set_xlabel("agents")
+        axes.set_ylabel(label)
+        axes.set_xscale("log", base=2)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle(
+        f"kmesh bench agents: {cfg['workload']}, {cfg['rounds']} rounds, engine {cfg['engine']}"
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)

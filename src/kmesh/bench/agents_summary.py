@@ -1,0 +1,107 @@
+"""The JSON report of `kmesh bench agents` from its runs (bench/agents.py: what is measured).
+
+strategies.<name>.by_agents.<n>: makespan_s (the rounds' sum) and round_makespan_s,
+    ttft_p50_s / ttft_p99_s over every call of the run and per round, per-round token
+    counts (prompt, computed, recovered, new to the system), computed / new in the last
+    round, round masters built (KMesh), KV cache use at each round's end and peak (share and
+    vLLM pages), store bytes, failures, identical_to_vllm per round, serial_check.
+strategies.<name>.max_agents_under_slo: the largest agent count that, with every smaller
+    one, held TTFT p99 under the SLO (0: none did).
+"""
+
+import json
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kmesh.bench.common import hardware, quantile
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.loader import resolve_model_dir
+from kmesh.store.server import parse_size
+from kmesh.vllm.config import DEFAULT_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from kmesh.bench.agents import AgentsBenchConfig
+
+
+def agents_report(
+    cfg: "AgentsBenchConfig", runs: dict[str, dict[int, dict[str, Any]]]
+) -> dict[str, Any]:
+    pages = _kv_pages(cfg)
+    strategies: dict[str, Any] = {}
+    for name, by_agents in runs.items():
+        figures = {
+            str(n): _figures(run, runs["vllm"][n], pages) for n, run in sorted(by_agents.items())
+        }
+        strategies[name] = {
+            "by_agents": figures,
+            "max_agents_under_slo": _max_under_slo(figures, cfg.slo_ttft_s),
+        }
+    return {
+        "config": {**asdict(cfg), "kv_pages": pages, "hardware": hardware()},
+        "strategies": strategies,
+    }
+
+
+def _figures(run: dict[str, Any], vllm: dict[str, Any], pages: int | None) -> dict[str, Any]:
+    rounds = run["rounds"]
+    ttfts = [t for r in rounds for t in r["ttft_s"]]
+    counters = [r["counters"] for r in rounds]
+    computed = [c["computed"] for c in counters]
+    new = [r["new_tokens"] for r in rounds]
+    figures: dict[str, Any] = {
+        "makespan_s": sum(r["makespan_s"] for r in rounds),
+        "round_makespan_s": [r["makespan_s"] for r in rounds],
+        "ttft_p50_s": quantile(ttfts, 0.5),
+        "ttft_p99_s": quantile(ttfts, 0.99),
+        "round_ttft_p99_s": [quantile(r["ttft_s"], 0.99) for r in rounds],
+        "prompt_tokens": [c["prompt"] for c in counters],
+        "computed_tokens": computed,
+        "recovered_tokens": [c.get("recovered", 0.0) for c in counters],
+        "new_tokens": new,
+        "last_round_computed_over_new": computed[-1] / new[-1] if new[-1] else None,
+        "masters_built": [c.get("masters") for c in counters],
+        "fallbacks": [c.get("fallbacks") for c in counters],
+        "kv_usage_end": [r["kv_usage_end"] for r in rounds],
+        "kv_usage_peak": [r["kv_usage_peak"] for r in rounds],
+        "kv_pages_end": [_pages(r["kv_usage_end"], pages) for r in rounds],
+        "kv_pages_peak": [_pages(r["kv_usage_peak"], pages) for r in rounds],
+        "store_bytes": [r["store_bytes"] for r in rounds],
+        "failures": [f for r in rounds for f in r["failures"]],
+        "identical_to_vllm": [
+            _identical(ours["texts"], theirs["texts"])
+            for ours, theirs in zip(rounds, vllm["rounds"], strict=True)
+        ],
+        "texts": [r["texts"] for r in rounds],
+    }
+    if "serial_check" in run:
+        figures["serial_check"] = run["serial_check"]
+    return figures
+
+
+def _identical(ours: dict[str, str], theirs: dict[str, str]) -> float:
+    return sum(ours[agent] == text for agent, text in theirs.items()) / len(theirs)
+
+
+def _max_under_slo(figures: dict[str, dict[str, Any]], slo: float) -> int:
+    held = 0
+    for n, figure in sorted(figures.items(), key=lambda item: int(item[0])):
+        if figure["failures"] or figure["ttft_p99_s"] is None or figure["ttft_p99_s"] > slo:
+            break
+        held = int(n)
+    return held
+
+
+def _kv_pages(cfg: "AgentsBenchConfig") -> int | None:
+    """vLLM's KV cache in pages (float32, kmesh.vllm.config's page size); None on the
+    reference engine."""
+    if cfg.engine != "vllm":
+        return None
+    model = ModelConfig.from_hf(
+        json.loads((resolve_model_dir(cfg.model) / "config.json").read_text())
+    )
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
+    return parse_size(cfg.kv_cache) // (per_token * DEFAULT_BLOCK_SIZE)
+
+
+def _pages(share: float, pages: int | None) -> int | None:
+    return None if pages is None else round(share * pages)

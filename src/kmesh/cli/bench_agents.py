@@ -1,0 +1,94 @@
+"""`kmesh bench agents`: agents over the OpenAI chat API, kmesh serve against plain vLLM."""
+
+import argparse
+
+from kmesh.cli.common import (
+    Commands,
+    add_model_option,
+    add_report_option,
+    agent_counts,
+    emit_report,
+)
+
+
+def _bench_agents(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kmesh.bench.agents import AgentsBenchConfig, run_agents_bench
+    from kmesh.bench.agents_report import plot, print_report
+
+    cfg = AgentsBenchConfig(
+        workload=args.workload,
+        agents=tuple(agent_counts(args.agents, "--agents")),
+        rounds=args.rounds,
+        seed=args.seed,
+        order=args.order,
+        slo_ttft_s=args.slo_ttft,
+        max_tokens=args.max_tokens,
+        engine=args.engine,
+        strategies=tuple(args.strategies.split(",")),
+        kv_cache=args.kv_cache,
+        store_capacity=args.store_capacity,
+        per_request_ratio=args.per_request_ratio,
+        agent_ratio=args.agent_ratio,
+        context_tokens=args.context_tokens,
+        tool_tokens=args.tool_tokens,
+        stagger_s=args.stagger,
+        serial_check=not args.no_serial_check,
+        model=args.model,
+    )
+    console = Console(stderr=True)
+    emit_report(args, run_agents_bench(cfg, console.log), print_report, plot)
+
+
+def register(benches: Commands) -> None:
+    from kmesh.bench.agents import DEFAULT_SLO_TTFT_S, ENGINES, STRATEGIES
+    from kmesh.workloads.agent_chats import WORKLOADS
+    from kmesh.workloads.allgather import ORDERS
+
+    agents = benches.add_parser(
+        "agents",
+        help="agents arriving together over the chat API: makespan, TTFT and agents under an "
+        "SLO, kmesh serve against plain vLLM",
+    )
+    agents.add_argument("--workload", choices=WORKLOADS, default="allgather")
+    agents.add_argument(
+        "--agents", default="4,8,16,32", help="agent counts, comma-separated (default 4,8,16,32)"
+    )
+    agents.add_argument("--rounds", type=int, default=3)
+    agents.add_argument("--seed", type=int, default=0)
+    agents.add_argument("--order", choices=ORDERS, default="shuffle", help="allgather's orders")
+    agents.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=DEFAULT_SLO_TTFT_S,
+        help=f"seconds; TTFT p99 under it holds an agent count (default {DEFAULT_SLO_TTFT_S:g}: "
+        "docs/AGENTS.md says why)",
+    )
+    agents.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per message")
+    agents.add_argument("--engine", choices=ENGINES, default="vllm")
+    agents.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help=f"comma-separated, vllm included (default {','.join(STRATEGIES)})",
+    )
+    agents.add_argument("--kv-cache", default="1G", help="both servers' vLLM KV cache")
+    agents.add_argument("--store-capacity", default="4G", help="KMesh's store")
+    agents.add_argument("--per-request-ratio", type=float, default=0.3)
+    agents.add_argument("--agent-ratio", type=float, default=0.0, help="kmesh_collective's")
+    agents.add_argument(
+        "--context-tokens", type=int, default=2048, help="trajectory: each agent's start"
+    )
+    agents.add_argument("--tool-tokens", type=int, default=64, help="trajectory: each turn's")
+    agents.add_argument(
+        "--stagger", type=float, default=0.5, help="trajectory: seconds between arrivals"
+    )
+    agents.add_argument(
+        "--no-serial-check",
+        action="store_true",
+        help="skip sending kmesh_exact's calls again one at a time",
+    )
+    add_report_option(agents)
+    agents.add_argument("--plot", default=None, help="where to draw makespan and TTFT p99")
+    add_model_option(agents)
+    agents.set_defaults(func=_bench_agents)
