@@ -18,7 +18,7 @@ from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenL
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.stats import EngineLoad
-from kmesh.vllm.config import vllm_engine_kwargs
+from kmesh.vllm.config import DEFAULT_KV_CACHE_BYTES, vllm_engine_kwargs
 
 
 class VLLMBackend:
@@ -43,9 +43,11 @@ class VLLMBackend:
     ) -> None:
         from transformers import AutoTokenizer
 
-        kv = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
         self._engine_kwargs = vllm_engine_kwargs(
-            model, store=store, recovery_bytes=recovery_bytes, **kv
+            model,
+            store=store,
+            recovery_bytes=recovery_bytes,
+            kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
         )
         path = Path(self._engine_kwargs["model"])
         self.model_id = path.name
