@@ -6,11 +6,17 @@ Slow (vLLM starts in about 45 s on 2 cores; the whole module takes 2-3 minutes):
 `pytest -m vllm`, leave it out with `-m "not vllm"`.
 """
 
+import asyncio
 import itertools
 
 import httpx
 import pytest
 
+from kmesh.bench.agents import AgentsBenchConfig
+from kmesh.bench.agents_client import send_chat
+from kmesh.bench.agents_requests import RunNames, request_body
+from kmesh.bench.server_metrics import server_counters
+from kmesh.workloads.agent_chats import AgentChats
 from tests.serve.conftest import (
     KEY_A,
     check_disconnect_freed,
@@ -51,6 +57,31 @@ SUFFIXES = (
     "Summary of the archive in one sentence:",
     "The entry I find most surprising is",
 )
+
+
+def concurrent_round(url: str, headers: dict[str, str]) -> dict:
+    """Four siblings of one All-Gather round (kmesh bench agents' collective bodies) sent at
+    once, then four more of the same round at once: the round masters built after each batch."""
+    cfg = AgentsBenchConfig(agents=(4,), engine="vllm")
+    chats = AgentChats(cfg.chats(4), str.split)
+    chats.calls()
+    said = ("bridge", "clinic", "library roof", "east bus")
+    chats.answer({f"allgather-{k}": f"Fix the {what} first." for k, what in enumerate(said)})
+    names = RunNames("kmesh_collective", "concurrent", 4, cfg.rounds)
+    bodies = [
+        {**request_body("kmesh_collective", call, 1, names, cfg, MODEL), "max_tokens": 2}
+        for call in chats.calls()
+    ]
+
+    async def send_all() -> list:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+            return await asyncio.gather(*(send_chat(client, body) for body in bodies))
+
+    seen: dict = {"masters": [], "failures": []}
+    for _ in range(2):
+        seen["failures"] += [r.failure for r in asyncio.run(send_all()) if r.failure]
+        seen["masters"].append(server_counters(url)["masters"])
+    return seen
 
 
 def family_member(suffix: str) -> dict:
@@ -133,6 +164,7 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
             if engine == "vllm":  # the reference engine's: test_server_process.py, test_tenants.py
                 headers = {"Authorization": f"Bearer {KEY_A}"}
                 results["vllm-disconnect"] = disconnect_mid_stream(server.url, headers)
+                results["vllm-round"] = concurrent_round(server.url, headers)
                 with httpx.Client(base_url=server.url, timeout=600) as http:
                     results["vllm-tenancy"] = tenancy_observations(http)
         finally:
@@ -143,6 +175,12 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
 
 def test_a_client_that_closes_its_stream_frees_the_request(answers):
     check_disconnect_freed(answers["vllm-disconnect"])
+
+
+def test_a_round_sent_at_once_builds_its_master_once(answers):
+    # Its siblings may land in one vLLM step or several: either way one master, and the same
+    # round's later siblings mirror it.
+    assert answers["vllm-round"] == {"masters": [1.0, 1.0], "failures": []}
 
 
 def test_a_tenant_never_reuses_or_times_another_tenants_state(answers):

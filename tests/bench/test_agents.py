@@ -1,0 +1,105 @@
+"""`kmesh bench agents` (src/kmesh/bench/agents.py) on the reference engine: two agents, two
+rounds, every strategy, one run shared by the module (about 40 s); the request bodies and the
+summary's rules without a server."""
+
+import pytest
+
+from kmesh.bench.agents import AgentsBenchConfig, run_agents_bench
+from kmesh.bench.agents_requests import RunNames, request_body
+from kmesh.bench.agents_summary import _max_under_slo
+from kmesh.errors import InvalidRequestError
+from kmesh.workloads.agent_chats import AgentChats
+
+STRATEGIES = ("vllm", "kmesh_exact", "kmesh_per_request", "kmesh_collective")
+
+
+@pytest.fixture(scope="module")
+def report():
+    cfg = AgentsBenchConfig(agents=(2,), rounds=2, max_tokens=6, engine="reference")
+    return run_agents_bench(cfg, log=lambda _: None)
+
+
+@pytest.mark.model
+def test_every_strategy_answers_every_call_of_every_round(report):
+    assert set(report["strategies"]) == set(STRATEGIES)
+    for strategy in report["strategies"].values():
+        figures = strategy["by_agents"]["2"]
+        assert figures["failures"] == []
+        assert [len(texts) for texts in figures["texts"]] == [2, 2]
+        assert figures["makespan_s"] == pytest.approx(sum(figures["round_makespan_s"]))
+        assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"]
+        assert all(c > 0 for c in figures["computed_tokens"])
+        assert strategy["max_agents_under_slo"] in (0, 2)
+
+
+@pytest.mark.model
+def test_exact_kmesh_says_what_plain_serving_says_concurrently_and_one_at_a_time(report):
+    exact = report["strategies"]["kmesh_exact"]["by_agents"]["2"]
+    assert exact["identical_to_vllm"] == [1.0, 1.0]
+    assert exact["serial_check"] == {"calls": 4, "different": []}
+
+
+@pytest.mark.model
+def test_a_collective_round_builds_its_master_once_and_computes_less(report):
+    collective = report["strategies"]["kmesh_collective"]["by_agents"]["2"]
+    plain = report["strategies"]["vllm"]["by_agents"]["2"]
+    assert collective["masters_built"] == [0, 1]  # round 0 declares no round
+    assert collective["recovered_tokens"][1] > 0
+    assert collective["computed_tokens"][1] < plain["computed_tokens"][1]
+    assert report["strategies"]["kmesh_exact"]["by_agents"]["2"]["masters_built"] == [0, 0]
+
+
+def bodies(strategy: str) -> list[list[dict]]:
+    cfg = AgentsBenchConfig(agents=(3,), engine="reference")
+    chats = AgentChats(cfg.chats(3), str.split)
+    names = RunNames(strategy, "run-1", 3, cfg.rounds)
+    rounds = []
+    for r in range(2):
+        calls = chats.calls()
+        rounds.append([request_body(strategy, c, r, names, cfg, "m") for c in calls])
+        chats.answer({c.agent: "yes" for c in calls})
+    return rounds
+
+
+def test_plain_vllm_gets_what_a_framework_sends_and_nothing_of_kmesh():
+    for body in bodies("vllm")[1]:
+        assert "kmesh" not in body and body["cache_salt"] == "vllm:run-1"
+        assert body["temperature"] == 0 and body["stream"]
+
+
+def test_exact_declares_messages_and_a_family_without_recovery_under_an_exact_salt():
+    for body in bodies("kmesh_exact")[1]:
+        kmesh = body["kmesh"]
+        assert "recovery" not in kmesh and not body["cache_salt"].startswith("kmesh-approx")
+        assert len(kmesh["messages"]) == len(body["messages"])
+        assert kmesh["family"] == "council:run-1" and kmesh["branches"] == 3 * 3
+
+
+def test_collective_declares_the_round_from_round_one_under_an_approximate_salt():
+    first, second = bodies("kmesh_collective")
+    assert all("round" not in b["kmesh"]["recovery"] for b in first)
+    for body in second:
+        assert body["cache_salt"].startswith("kmesh-approx:kmesh_collective")
+        assert body["kmesh"]["recovery"]["round"] == {
+            "id": "r1",
+            "segments": ["out-0-0", "out-0-1", "out-0-2"],
+        }
+    assert all(b["kmesh"]["keep_output"] for b in bodies("kmesh_per_request")[1])
+
+
+def test_an_agent_count_holds_the_slo_only_with_every_smaller_one():
+    def run(p99: float, failures: tuple = ()) -> dict:
+        return {"ttft_p99_s": p99, "failures": list(failures)}
+
+    assert _max_under_slo({"4": run(1), "8": run(2), "16": run(9)}, 5) == 8
+    assert _max_under_slo({"4": run(6), "8": run(2)}, 5) == 0
+    assert _max_under_slo({"4": run(1), "8": run(1, ("x: http 500",))}, 5) == 4
+
+
+def test_a_bench_it_cannot_run_is_refused_with_what_to_change():
+    with pytest.raises(InvalidRequestError, match="must include vllm"):
+        AgentsBenchConfig(strategies=("kmesh_exact",))
+    with pytest.raises(InvalidRequestError, match="--agents"):
+        AgentsBenchConfig(agents=(1, 4))
+    with pytest.raises(InvalidRequestError, match="--kv-cache"):
+        AgentsBenchConfig(kv_cache="lots")
