@@ -68,7 +68,7 @@ class AgentsBenchConfig:
     engine: str = "vllm"
     strategies: tuple[str, ...] = STRATEGIES
     # Both servers' vLLM KV cache, and the KMesh store's capacity.
-    kv_cache: str = "1G"
+    kv_cache: str = "4G"
     store_capacity: str = "4G"
     # kmesh_per_request's recompute ratio; kmesh_collective's per-agent ratio.
     per_request_ratio: float = 0.3

@@ -72,7 +72,7 @@ def register(benches: Commands) -> None:
         default=",".join(STRATEGIES),
         help=f"comma-separated, vllm included (default {','.join(STRATEGIES)})",
     )
-    agents.add_argument("--kv-cache", default="1G", help="both servers' vLLM KV cache")
+    X
     agents.add_argument("--store-capacity", default="4G", help="KMesh's store")
     agents.add_argument("--per-request-ratio", type=float, default=0.3)
     agents.add_argument("--agent-ratio", type=float, default=0.0, help="kmesh_collective's")

@@ -231,22 +231,33 @@ def _choose(
     return tokens[torch.isin(unit_of_token, units_chosen)]
 
 
-def _context(region: RegionInput, compute: torch.Tensor) -> DenseKV:
+def _context(region: RegionInput, compute: torch.Tensor) -> "_RegionContext":
     """The prefix plus the reused KV of every region token not in `compute`."""
     keep = torch.ones(len(region.token_ids), dtype=torch.bool)
     keep[compute] = False
-    ks, vs = region.reused_k[:, keep], region.reused_v[:, keep]
     positions = region.positions[keep]
-    if region.prefix is None:
-        return DenseKV(positions, list(ks), list(vs))
-    prefix = region.prefix
-    if len(positions) == 0:
-        return prefix
-    return DenseKV(
-        torch.cat((prefix.positions, positions)),
-        [torch.cat((prefix.k[layer], ks[layer])) for layer in range(len(ks))],
-        [torch.cat((prefix.v[layer], vs[layer])) for layer in range(len(vs))],
-    )
+    if region.prefix is not None:
+        positions = torch.cat((region.prefix.positions, positions))
+    return _RegionContext(positions, region.prefix, region.reused_k, region.reused_v, keep)
+
+
+@dataclass(frozen=True, slots=True)
+class _RegionContext:
+    """A ContextKV (compute/executor.py) built per layer when the executor reads it: a pass
+    through the check layers only concatenates those."""
+
+    positions: torch.Tensor
+    prefix: DenseKV | None
+    reused_k: torch.Tensor
+    reused_v: torch.Tensor
+    keep: torch.Tensor  # [t] bool: the region rows in the context
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.reused_k[index, self.keep], self.reused_v[index, self.keep]
+        if self.prefix is None:
+            return k, v
+        prefix_k, prefix_v = self.prefix.layer(index)
+        return torch.cat((prefix_k, k)), torch.cat((prefix_v, v))
 
 
 def _assemble(

@@ -2,9 +2,12 @@
 own server. Used by the benches that drive real clients and by the tests.
 
 A started server is up (kmesh serve printed its ready line; vLLM answers /health). `stop()`
-sends SIGTERM, as a user would, and fails loudly if it is ignored.
+sends SIGTERM, as a user would, and fails loudly if it is ignored. Both run with the same glibc
+allocator settings (kmesh.vllm.config.ALLOCATOR_ENV), so that side-by-side runs differ only in
+what they serve.
 """
 
+import os
 import queue
 import re
 import socket
@@ -19,7 +22,7 @@ from typing import Any
 import httpx
 
 from kmesh.errors import KMeshError
-from kmesh.vllm.config import vllm_server_args
+from kmesh.vllm.config import ALLOCATOR_ENV, vllm_server_args
 
 READY = re.compile(r" engine on (http://\S+) ")
 STOP_TIMEOUT_S = 60
@@ -55,7 +58,11 @@ def start_kmesh_serve(
     """`kmesh serve --engine ENGINE --port 0 OPTIONS`, once it printed its ready line."""
     command = [sys.executable, "-m", "kmesh.cli", "serve", "--engine", engine, "--port", "0"]
     process = subprocess.Popen(
-        [*command, *options], stdout=subprocess.PIPE, stderr=log.open("w"), text=True
+        [*command, *options],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env=_server_env(),
     )
     lines: queue.Queue[str] = queue.Queue()
 
@@ -96,6 +103,7 @@ def start_vllm_server(
             stdout=out,
             stderr=subprocess.STDOUT,
             text=True,
+            env=_server_env(),
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -109,6 +117,10 @@ def start_vllm_server(
     process.kill()
     process.wait()
     raise ServerStartError(f"vLLM's server did not start:\n{log.read_text()[-5000:]}")
+
+
+def _server_env() -> dict[str, str]:
+    return {**ALLOCATOR_ENV, **os.environ}
 
 
 def free_port() -> int:

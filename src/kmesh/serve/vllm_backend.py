@@ -8,6 +8,7 @@ freed, no more steps). The engine's load comes from a stat logger vLLM calls aft
 (kmesh/vllm/load_logger.py).
 """
 
+import os
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -18,7 +19,7 @@ from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenL
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.stats import EngineLoad
-from kmesh.vllm.config import DEFAULT_KV_CACHE_BYTES, vllm_engine_kwargs
+from kmesh.vllm.config import ALLOCATOR_ENV, DEFAULT_KV_CACHE_BYTES, vllm_engine_kwargs
 
 
 class VLLMBackend:
@@ -62,6 +63,8 @@ class VLLMBackend:
 
         from kmesh.vllm.load_logger import load_logger
 
+        for name, value in ALLOCATOR_ENV.items():  # the engine's processes inherit it
+            os.environ.setdefault(name, value)
         # Its worker (kmesh/vllm/worker.py) attaches recovery to vLLM's own loaded model.
         self._llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**self._engine_kwargs), stat_loggers=[load_logger(self._set_load)]
