@@ -72,7 +72,9 @@ def register(benches: Commands) -> None:
         default=",".join(STRATEGIES),
         help=f"comma-separated, vllm included (default {','.join(STRATEGIES)})",
     )
-    X
+    agents.add_argument(
+        "--kv-cache", default="4G", help="both servers' vLLM KV cache (default 4G)"
+    )
     agents.add_argument("--store-capacity", default="4G", help="KMesh's store")
     agents.add_argument("--per-request-ratio", type=float, default=0.3)
     agents.add_argument("--agent-ratio", type=float, default=0.0, help="kmesh_collective's")
