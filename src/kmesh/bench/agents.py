@@ -69,11 +69,11 @@ class AgentsBenchConfig:
     strategies: tuple[str, ...] = STRATEGIES
     # Both servers' vLLM KV cache, and the KMesh store's capacity.
     kv_cache: str = "4G"
-    store_capacity: str = "4G"
+    store_capacity: str = "8G"
     # kmesh_per_request's recompute ratio; kmesh_collective's per-agent ratio.
     per_request_ratio: float = 0.3
     agent_ratio: float = 0.0
-    context_tokens: int = 2048
+    context_tokens: int = 6144
     tool_tokens: int = 64
     stagger_s: float = 0.5
     serial_check: bool = True

@@ -72,14 +72,15 @@ def register(benches: Commands) -> None:
         default=",".join(STRATEGIES),
         help=f"comma-separated, vllm included (default {','.join(STRATEGIES)})",
     )
-    agents.add_argument(
-        "--kv-cache", default="4G", help="both servers' vLLM KV cache (default 4G)"
-    )
-    agents.add_argument("--store-capacity", default="4G", help="KMesh's store")
+    agents.add_argument("--kv-cache", default="4G", help="both servers' vLLM KV cache (default 4G)")
+    agents.add_argument("--store-capacity", default="8G", help="KMesh's store (default 8G)")
     agents.add_argument("--per-request-ratio", type=float, default=0.3)
     agents.add_argument("--agent-ratio", type=float, default=0.0, help="kmesh_collective's")
     agents.add_argument(
-        "--context-tokens", type=int, default=2048, help="trajectory: each agent's start"
+        "--context-tokens",
+        type=int,
+        default=6144,
+        help="trajectory: each agent's start (default 6144)",
     )
     agents.add_argument("--tool-tokens", type=int, default=64, help="trajectory: each turn's")
     agents.add_argument(

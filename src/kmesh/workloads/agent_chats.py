@@ -83,7 +83,7 @@ class AgentsConfig:
     seed: int = 0
     order: str = "shuffle"
     # trajectory: the listing each agent starts from, the tool's result per turn, the stagger.
-    context_tokens: int = 2048
+    context_tokens: int = 6144
     tool_tokens: int = 64
     stagger_s: float = 0.5
 
