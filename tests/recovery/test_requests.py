@@ -9,7 +9,7 @@ from kmesh.compute.executor import SequenceInput
 from kmesh.compute.rope import rerotate_keys
 from kmesh.compute.tiny import tiny_executor
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.requests import RequestRecovery
+from kmesh.recovery.requests import RequestRecovery, _chunks
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
 from kmesh.state.segments import Role, Span
 
@@ -321,3 +321,33 @@ def test_each_outcome_is_written_before_a_later_job_of_the_step_reads_its_prefix
         jobs, Pages(executor, ids), lambda job, _: events.append(f"write {job.request_id}")
     )
     assert events == ["read 10", "write r1", "read 20", "write r2"]
+
+
+def test_a_round_too_large_for_one_batch_is_recovered_in_batches_around_one_master(
+    model, monkeypatch
+):
+    executor, fingerprint = model
+    spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["a", "b"]))
+    siblings = [prompt(order, private) for order in ("ab", "ba") for private in ("x", "y")]
+    jobs = [
+        job(ids, spans, spec, request_id=f"s{i}", family="f", first_block=100 * i)
+        for i, (ids, spans) in enumerate(siblings)
+    ]
+
+    class Pages:
+        def read(self, block_ids, positions):
+            work = next(w for w in jobs if w.block_ids == block_ids)
+            return ExactPages(executor, work.token_ids).read(block_ids, positions)
+
+    whole = RequestRecovery(executor, fingerprint).run(jobs, Pages(), no_write)
+    written: list[str] = []
+    monkeypatch.setattr("kmesh.recovery.requests.ROUND_BATCH_TOKENS", 2 * (jobs[0].end - BLOCK))
+    assert len(_chunks(jobs)) >= 2
+    batched = RequestRecovery(executor, fingerprint).run(
+        jobs, Pages(), lambda work, _: written.append(work.request_id)
+    )
+    assert written == ["s0", "s1", "s2", "s3"]  # every batch written before the next
+    assert [batched[w.request_id].report.master_bytes > 0 for w in jobs] == [1, 0, 0, 0]
+    for work in jobs:
+        torch.testing.assert_close(batched[work.request_id].k, whole[work.request_id].k)
+        assert batched[work.request_id].report == whole[work.request_id].report

@@ -66,6 +66,11 @@ from kmesh.recovery.shared import Restored, SharedMasters, SharedState
 
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
+# Claimed rows of a round's siblings recovered in one batch, at most (one sibling may exceed it).
+# A sibling's batch holds about 6x its rows' KV at once (its placed mirrors, the recovered rows,
+# copies for the executor): 32 siblings of 1900 rows in one batch took vLLM's worker past 14 GB
+# and the machine's 24 GB (kmesh bench agents, docs/AGENTS.md); 8192 rows keep it near 1.5 GB.
+ROUND_BATCH_TOKENS = 8192
 
 
 class RequestRecovery:
@@ -104,7 +109,9 @@ class RequestRecovery:
         self, jobs: Sequence[RecoveryJob], pages: PrefixReader, write: Writer
     ) -> dict[str, RecoveredRows]:
         """Recover one step's jobs: per-request ones in order (each may store segments and
-        tails the next reuses), each round's siblings together. Each outcome goes to `write`
+        tails the next reuses), each round's siblings together, in batches of at most
+        ROUND_BATCH_TOKENS claimed rows (the first batch builds the master, the next mirror it),
+        so that a round's working memory stays bounded. Each outcome goes to `write`
         before a later job is recovered (a later job of the step may read its rows as prefix:
         an engine's prefix cache can hand it pages this step fills), then its transcript is
         published. A job whose prefix a restored transcript or a kept tail continues starts
@@ -124,12 +131,14 @@ class RequestRecovery:
             else:
                 rounds.setdefault(RoundKey(job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
-            tails = TailPages(pages)
-            resumed = [steps.continued(job, tails, restored) for job in siblings]
-            done = self._round(key, resumed, tails)
-            for job in siblings:
-                outcomes[job.request_id] = steps.finish(job, done[job.request_id], tails, restored)
-                steps.write(job, outcomes[job.request_id], pages, write, restored)
+            for chunk in _chunks(siblings):
+                tails = TailPages(pages)
+                resumed = [steps.continued(job, tails, restored) for job in chunk]
+                done = self._round(key, resumed, tails)
+                for job in chunk:
+                    outcome = steps.finish(job, done[job.request_id], tails, restored)
+                    outcomes[job.request_id] = outcome
+                    steps.write(job, outcome, pages, write, restored)
         return outcomes
 
     # -- per request -----------------------------------------------------------------------
@@ -306,3 +315,17 @@ def _outcome(recovered: Recovered, region: RegionInput) -> RecoveredRows:
     if recovered.fell_back:
         return RecoveredRows(report, None, None)
     return RecoveredRows(report, recovered.k, recovered.v)
+
+
+def _chunks(siblings: list[RecoveryJob]) -> list[list[RecoveryJob]]:
+    """The round's siblings in order, in batches of at most ROUND_BATCH_TOKENS claimed rows."""
+    chunks: list[list[RecoveryJob]] = []
+    rows = 0
+    for job in siblings:
+        if chunks and rows + job.end - job.start <= ROUND_BATCH_TOKENS:
+            chunks[-1].append(job)
+            rows += job.end - job.start
+        else:
+            chunks.append([job])
+            rows = job.end - job.start
+    return chunks
