@@ -3,10 +3,12 @@
 One module per command (group) registers its parser and handler; this module only assembles them
 in the order the help lists them, and runs one. A handler raises KMeshError for bad input: it is
 printed as one line (`kmesh: error: ...`) and the exit status is 2. `kmesh vllm ...` is handed to
-vLLM's own command line before parsing (kmesh/cli/vllm.py).
+vLLM's own command line before parsing (kmesh/cli/vllm.py). A bench stopped by SIGTERM exits
+through its cleanup, so the servers and stores it started are stopped too.
 """
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -62,11 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["vllm"]:  # vLLM's own command line, its arguments untouched
         return vllm.run_vllm(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "bench":  # SIGTERM unwinds, so a bench stops the servers it started
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         args.func(args)
     except KMeshError as error:
