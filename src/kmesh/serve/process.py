@@ -3,8 +3,8 @@ own server. Used by the benches that drive real clients and by the tests.
 
 A started server is up (kmesh serve printed its ready line; vLLM answers /health). `stop()`
 sends SIGTERM, as a user would, and fails loudly if it is ignored. Both run with the same glibc
-allocator settings (kmesh.vllm.config.ALLOCATOR_ENV), so that side-by-side runs differ only in
-what they serve.
+allocator settings and vLLM's worker on the same cores (`_server_env`), so that side-by-side runs
+differ only in what they serve.
 """
 
 import os
@@ -120,7 +120,17 @@ def start_vllm_server(
 
 
 def _server_env() -> dict[str, str]:
-    return {**ALLOCATOR_ENV, **os.environ}
+    """The servers' environment: ALLOCATOR_ENV, and vLLM's CPU worker bound to every core this
+    process may use. Left to itself, vLLM keeps one core for its scheduler, unless a KV connector
+    is configured and the machine has no core to spare (then it binds them all): on 2 cores,
+    plain vLLM computed on one core and vLLM with KMeshConnector on two. A variable already set
+    (the test suite's one-core binding) wins."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {
+        **ALLOCATOR_ENV,
+        "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}",
+        **os.environ,
+    }
 
 
 def free_port() -> int:
