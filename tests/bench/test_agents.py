@@ -4,13 +4,12 @@ summary's rules without a server."""
 
 import pytest
 
-from kmesh.bench.agents import AgentsBenchConfig, run_agents_bench
+from kmesh.bench.agents import run_agents_bench
+from kmesh.bench.agents_config import STRATEGIES, AgentsBenchConfig
 from kmesh.bench.agents_requests import RunNames, request_body
 from kmesh.bench.agents_summary import _max_under_slo
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.agent_chats import AgentChats
-
-STRATEGIES = ("vllm", "kmesh_exact", "kmesh_per_request", "kmesh_collective")
 
 
 @pytest.fixture(scope="module")

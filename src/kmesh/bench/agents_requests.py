@@ -20,7 +20,7 @@ from kmesh.state.request_meta import APPROX_SALT_PREFIX
 from kmesh.workloads.agent_chats import AgentCall
 
 if TYPE_CHECKING:
-    from kmesh.bench.agents import AgentsBenchConfig
+    from kmesh.bench.agents_config import AgentsBenchConfig
 
 
 @dataclass(frozen=True, slots=True)

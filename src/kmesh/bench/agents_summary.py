@@ -20,7 +20,7 @@ from kmesh.store.server import parse_size
 from kmesh.vllm.config import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
-    from kmesh.bench.agents import AgentsBenchConfig
+    from kmesh.bench.agents_config import AgentsBenchConfig
 
 
 def agents_report(

@@ -14,7 +14,8 @@ from kmesh.cli.common import (
 def _bench_agents(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.agents import AgentsBenchConfig, run_agents_bench
+    from kmesh.bench.agents import run_agents_bench
+    from kmesh.bench.agents_config import AgentsBenchConfig
     from kmesh.bench.agents_report import plot, print_report
 
     cfg = AgentsBenchConfig(
@@ -42,7 +43,7 @@ def _bench_agents(args: argparse.Namespace) -> None:
 
 
 def register(benches: Commands) -> None:
-    from kmesh.bench.agents import DEFAULT_SLO_TTFT_S, ENGINES, STRATEGIES
+    from kmesh.bench.agents_config import DEFAULT_SLO_TTFT_S, ENGINES, STRATEGIES
     from kmesh.workloads.agent_chats import WORKLOADS
     from kmesh.workloads.allgather import ORDERS
 

@@ -1,0 +1,73 @@
+"""`kmesh bench agents`'s settings: workload, agent counts, strategies, SLO, servers' sizes.
+
+Construction checks every field and raises InvalidRequestError with the flag to change, so the
+CLI reports a bad value in one line before any server starts.
+"""
+
+from dataclasses import dataclass
+
+from kmesh.errors import InvalidRequestError
+from kmesh.store.server import parse_size
+from kmesh.workloads.agent_chats import AgentsConfig
+
+STRATEGIES = ("vllm", "kmesh_exact", "kmesh_per_request", "kmesh_collective")
+ENGINES = ("vllm", "reference")
+# The SLO on time to first token (p99 over a run's calls); docs/AGENTS.md says why this value.
+DEFAULT_SLO_TTFT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentsBenchConfig:
+    workload: str = "allgather"
+    agents: tuple[int, ...] = (4, 8, 16, 32)
+    rounds: int = 3
+    seed: int = 0
+    order: str = "shuffle"
+    slo_ttft_s: float = DEFAULT_SLO_TTFT_S
+    # Greedy tokens per message.
+    max_tokens: int = 48
+    engine: str = "vllm"
+    strategies: tuple[str, ...] = STRATEGIES
+    # Both servers' vLLM KV cache, and the KMesh store's capacity.
+    kv_cache: str = "4G"
+    store_capacity: str = "8G"
+    # kmesh_per_request's recompute ratio; kmesh_collective's per-agent ratio.
+    per_request_ratio: float = 0.3
+    agent_ratio: float = 0.0
+    context_tokens: int = 6144
+    tool_tokens: int = 64
+    stagger_s: float = 0.5
+    serial_check: bool = True
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.agents or min(self.agents) < 2:
+            raise InvalidRequestError("--agents takes counts of at least 2, like 4,8,16")
+        if self.engine not in ENGINES:
+            raise InvalidRequestError(f"--engine must be one of {', '.join(ENGINES)}")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown or "vllm" not in self.strategies:
+            raise InvalidRequestError(
+                f"--strategies must include vllm (the reference for identical messages) and "
+                f"name only {', '.join(STRATEGIES)}; got {', '.join(self.strategies)}"
+            )
+        if self.slo_ttft_s <= 0 or self.max_tokens < 1:
+            raise InvalidRequestError("--slo-ttft must be above 0 and --max-tokens at least 1")
+        for ratio in (self.per_request_ratio, self.agent_ratio):
+            if not 0 <= ratio <= 1:
+                raise InvalidRequestError(f"recompute ratios are shares in [0, 1], got {ratio}")
+        parse_size(self.kv_cache, "--kv-cache")
+        parse_size(self.store_capacity, "--store-capacity")
+        self.chats(min(self.agents))  # the workload's own checks
+
+    def chats(self, agents: int) -> AgentsConfig:
+        return AgentsConfig(
+            self.workload,
+            agents,
+            self.rounds,
+            self.seed,
+            self.order,
+            self.context_tokens,
+            self.tool_tokens,
+            self.stagger_s,
+        )
