@@ -103,6 +103,19 @@ def test_a_remote_claim_is_released_when_its_local_leader_gives_up_or_none_comes
     assert _commands(store) == [Release((never_led, None), 0)]
 
 
+def test_a_chain_given_up_is_released_tail_first_so_a_waiter_on_its_head_leads_it_whole(store):
+    keys = chain(3, seed=7)
+    leader = store.open()
+    _acquire(store, leader, keys)
+    claimed = tuple(((k, None), g) for g, k in enumerate(keys))
+    store.remote_done(Resolved(claimed=claimed), now=0.1)
+    store.expire(now=0.15)  # the leader leads all three
+    _commands(store)
+    store.close(leader, now=0.2)
+    store.expire(now=0.3)
+    assert _commands(store) == [Release((k, None), g) for g, k in reversed(list(enumerate(keys)))]
+
+
 def test_a_foreign_claim_is_dead_once_its_beat_stands_still_for_the_lease_by_our_clock():
     leases = ForeignLeases(lease=5.0)
     ident = (b"k" * 32, None)

@@ -135,8 +135,10 @@ class RemoteFront:
 
     def tick(self, leaders: set[EntryId], now: float) -> None:
         """Release remote claims whose local claim ended unpublished, or never began within
-        `grace`; `leaders`: the held keys that have a local leader now."""
-        for ident, held in list(self.held.items()):
+        `grace`; `leaders`: the held keys that have a local leader now. Released newest claim
+        first (a chain's tail before its head): another machine waiting on the head, promoted
+        when it sees the head free, finds the rest of the chain free too and leads it whole."""
+        for ident, held in reversed(list(self.held.items())):
             if ident in leaders:
                 held.led = True
             elif held.led or now - held.since > self.grace:
