@@ -2,7 +2,7 @@
 this needs a main guard): `python tests/vllm/connector_job.py OUT_DIR`. Writes OUT_DIR/result.json.
 
 One engine with KMeshConnector, a store and LoRA enabled, then vanilla vLLM with the same
-settings and no connector, on real text: a 1024-token trunk (the start of argparse's source)
+settings and no connector, on real text: a 512-token trunk (the start of argparse's source)
 with different suffixes, and two unrelated prompts.
 """
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-TRUNK_TOKENS = 1024
+TRUNK_TOKENS = 512
 MAX_TOKENS = 16
 
 
