@@ -18,6 +18,8 @@ DEFAULT_SLO_TTFT_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class AgentsBenchConfig:
+    """One `kmesh bench agents` run's settings (the CLI's flags); checked when made."""
+
     workload: str = "allgather"
     agents: tuple[int, ...] = (4, 8, 16, 32)
     rounds: int = 3
