@@ -43,49 +43,68 @@ def _bench_agents(args: argparse.Namespace) -> None:
 
 
 def register(benches: Commands) -> None:
-    from kmesh.bench.agents_config import DEFAULT_SLO_TTFT_S, ENGINES, STRATEGIES
+    from kmesh.bench.agents_config import ENGINES, STRATEGIES, AgentsBenchConfig
     from kmesh.workloads.agent_chats import WORKLOADS
     from kmesh.workloads.allgather import ORDERS
 
+    default = AgentsBenchConfig()  # the one place the bench's defaults are set
     agents = benches.add_parser(
         "agents",
         help="agents arriving together over the chat API: makespan, TTFT and agents under an "
         "SLO, kmesh serve against plain vLLM",
     )
-    agents.add_argument("--workload", choices=WORKLOADS, default="allgather")
+    agents.add_argument("--workload", choices=WORKLOADS, default=default.workload)
+    counts = ",".join(map(str, default.agents))
     agents.add_argument(
-        "--agents", default="4,8,16,32", help="agent counts, comma-separated (default 4,8,16,32)"
+        "--agents", default=counts, help=f"agent counts, comma-separated (default {counts})"
     )
-    agents.add_argument("--rounds", type=int, default=3)
-    agents.add_argument("--seed", type=int, default=0)
-    agents.add_argument("--order", choices=ORDERS, default="shuffle", help="allgather's orders")
+    agents.add_argument("--rounds", type=int, default=default.rounds)
+    agents.add_argument("--seed", type=int, default=default.seed)
+    agents.add_argument("--order", choices=ORDERS, default=default.order, help="allgather's orders")
     agents.add_argument(
         "--slo-ttft",
         type=float,
-        default=DEFAULT_SLO_TTFT_S,
-        help=f"seconds; TTFT p99 under it holds an agent count (default {DEFAULT_SLO_TTFT_S:g}: "
+        default=default.slo_ttft_s,
+        help=f"seconds; TTFT p99 under it holds an agent count (default {default.slo_ttft_s:g}: "
         "docs/AGENTS.md says why)",
     )
-    agents.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per message")
-    agents.add_argument("--engine", choices=ENGINES, default="vllm")
+    agents.add_argument(
+        "--max-tokens", type=int, default=default.max_tokens, help="greedy tokens per message"
+    )
+    agents.add_argument("--engine", choices=ENGINES, default=default.engine)
     agents.add_argument(
         "--strategies",
         default=",".join(STRATEGIES),
         help=f"comma-separated, vllm included (default {','.join(STRATEGIES)})",
     )
-    agents.add_argument("--kv-cache", default="4G", help="both servers' vLLM KV cache (default 4G)")
-    agents.add_argument("--store-capacity", default="8G", help="KMesh's store (default 8G)")
-    agents.add_argument("--per-request-ratio", type=float, default=0.3)
-    agents.add_argument("--agent-ratio", type=float, default=0.0, help="kmesh_collective's")
+    agents.add_argument(
+        "--kv-cache",
+        default=default.kv_cache,
+        help=f"both servers' vLLM KV cache (default {default.kv_cache})",
+    )
+    agents.add_argument(
+        "--store-capacity",
+        default=default.store_capacity,
+        help=f"KMesh's store (default {default.store_capacity})",
+    )
+    agents.add_argument("--per-request-ratio", type=float, default=default.per_request_ratio)
+    agents.add_argument(
+        "--agent-ratio", type=float, default=default.agent_ratio, help="kmesh_collective's"
+    )
     agents.add_argument(
         "--context-tokens",
         type=int,
-        default=6144,
-        help="trajectory: each agent's start (default 6144)",
+        default=default.context_tokens,
+        help=f"trajectory: each agent's start (default {default.context_tokens})",
     )
-    agents.add_argument("--tool-tokens", type=int, default=64, help="trajectory: each turn's")
     agents.add_argument(
-        "--stagger", type=float, default=0.5, help="trajectory: seconds between arrivals"
+        "--tool-tokens", type=int, default=default.tool_tokens, help="trajectory: each turn's"
+    )
+    agents.add_argument(
+        "--stagger",
+        type=float,
+        default=default.stagger_s,
+        help="trajectory: seconds between arrivals",
     )
     agents.add_argument(
         "--no-serial-check",

@@ -128,7 +128,7 @@ def _server_env() -> dict[str, str]:
     cpus = sorted(os.sched_getaffinity(0))
     return {
         **ALLOCATOR_ENV,
-        "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}",
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
         **os.environ,
     }
 
