@@ -2,13 +2,8 @@
 
 import argparse
 
-from kmesh.cli.common import (
-    Commands,
-    add_model_option,
-    add_report_option,
-    agent_counts,
-    emit_report,
-)
+from kmesh.cli.bench_common import add_report_option, agent_counts, config_from_args, emit_report
+from kmesh.cli.common import Commands, add_model_option
 
 
 def _bench_agents(args: argparse.Namespace) -> None:
@@ -18,25 +13,14 @@ def _bench_agents(args: argparse.Namespace) -> None:
     from kmesh.bench.agents_config import AgentsBenchConfig
     from kmesh.bench.agents_report import plot, print_report
 
-    cfg = AgentsBenchConfig(
-        workload=args.workload,
+    cfg = config_from_args(
+        AgentsBenchConfig,
+        args,
         agents=tuple(agent_counts(args.agents, "--agents")),
-        rounds=args.rounds,
-        seed=args.seed,
-        order=args.order,
         slo_ttft_s=args.slo_ttft,
-        max_tokens=args.max_tokens,
-        engine=args.engine,
         strategies=tuple(args.strategies.split(",")),
-        kv_cache=args.kv_cache,
-        store_capacity=args.store_capacity,
-        per_request_ratio=args.per_request_ratio,
-        agent_ratio=args.agent_ratio,
-        context_tokens=args.context_tokens,
-        tool_tokens=args.tool_tokens,
         stagger_s=args.stagger,
         serial_check=not args.no_serial_check,
-        model=args.model,
     )
     console = Console(stderr=True)
     emit_report(args, run_agents_bench(cfg, console.log), print_report, plot)
@@ -111,7 +95,6 @@ def register(benches: Commands) -> None:
         action="store_true",
         help="skip sending kmesh_exact's calls again one at a time",
     )
-    add_report_option(agents)
-    agents.add_argument("--plot", default=None, help="where to draw makespan and TTFT p99")
+    add_report_option(agents, plot="makespan and TTFT p99")
     add_model_option(agents)
     agents.set_defaults(func=_bench_agents)

@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, agent_counts, write_json
+from kmesh.cli.bench_common import add_report_option, agent_counts, write_json
+from kmesh.cli.common import Commands, add_model_option
 from kmesh.errors import InvalidRequestError
 
 

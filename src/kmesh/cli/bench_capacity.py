@@ -2,7 +2,8 @@
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, emit_report
+from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
+from kmesh.cli.common import Commands, add_model_option
 
 
 def _bench_capacity(args: argparse.Namespace) -> None:
@@ -11,18 +12,7 @@ def _bench_capacity(args: argparse.Namespace) -> None:
     from kmesh.bench.capacity import CapacityConfig, run_capacity_bench
     from kmesh.bench.capacity_report import plot, print_report
 
-    cfg = CapacityConfig(
-        args.agents,
-        args.rounds,
-        args.budget_mib,
-        args.order,
-        args.seed,
-        args.output_tokens,
-        args.agent_ratio,
-        args.workload,
-        args.tool_tokens,
-        args.strategies,
-    )
+    cfg = config_from_args(CapacityConfig, args)
     console = Console(stderr=True)
     result = run_capacity_bench(cfg, args.model, console.log)
     emit_report(args, result, print_report, plot)
@@ -74,6 +64,5 @@ def register(benches: Commands) -> None:
         help="a subset, vanilla included: vanilla,vanilla_offload,kmesh_dense,kmesh,kmesh_lru",
     )
     add_model_option(capacity)
-    add_report_option(capacity)
-    capacity.add_argument("--plot", default=None, help="where to draw computed tokens vs agents")
+    add_report_option(capacity, plot="computed tokens vs agents")
     capacity.set_defaults(func=_bench_capacity)

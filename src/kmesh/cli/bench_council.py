@@ -2,7 +2,8 @@
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, emit_report
+from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
+from kmesh.cli.common import Commands, add_model_option
 from kmesh.errors import InvalidRequestError
 
 
@@ -12,7 +13,7 @@ def _bench_council(args: argparse.Namespace) -> None:
     from kmesh.bench.council import CouncilConfig, client_python, run_council_bench
     from kmesh.bench.council_report import plot, print_report
 
-    cfg = CouncilConfig(args.agents, args.rounds, args.max_tokens, args.model)
+    cfg = config_from_args(CouncilConfig, args)
     python = client_python(args.client_python)
     console = Console(stderr=True)
     ratios = tuple(float(r) for r in args.ratios.split(","))
@@ -36,8 +37,7 @@ def register(benches: Commands) -> None:
         default="0.3",
         help="kmesh serve --reuse-ratio values to run, comma-separated (default 0.3)",
     )
-    add_report_option(council)
-    council.add_argument("--plot", default=None, help="where to draw computed tokens per round")
+    add_report_option(council, plot="computed tokens per round")
     add_model_option(council)
     council.add_argument(
         "--client-python",

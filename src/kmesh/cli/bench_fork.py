@@ -3,7 +3,8 @@ vs fork (bench/fork.py; bench/fork_vllm.py with --engine vllm)."""
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
+from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
+from kmesh.cli.common import Commands, add_model_option
 from kmesh.errors import InvalidRequestError
 
 
@@ -13,14 +14,7 @@ def _bench_fork(args: argparse.Namespace) -> None:
     from kmesh.bench.fork import ForkBenchConfig, print_report, run_fork_bench
     from kmesh.compute.loader import load_model
 
-    cfg = ForkBenchConfig(
-        mode=args.mode,
-        branches=args.branches,
-        trunk_tokens=args.trunk_tokens,
-        branch_tokens=args.branch_tokens,
-        reasoning_tokens=args.reasoning_tokens,
-        seed=args.seed,
-    )
+    cfg = config_from_args(ForkBenchConfig, args)
     console = Console(stderr=True)
     model = load_model(args.model)
     context = cfg.trunk_tokens + cfg.reasoning_tokens + 2 * cfg.branch_tokens
@@ -33,11 +27,10 @@ def _bench_fork(args: argparse.Namespace) -> None:
         from kmesh.bench.fork_vllm import print_vllm_report, run_vllm_fork_bench
 
         report = run_vllm_fork_bench(cfg, args.model, progress=console.log)
-        print_vllm_report(report, Console())
+        emit_report(args, report, print_vllm_report)
     else:
         report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=console.log)
-        print_report(report, Console())
-    write_json(args.json, report)
+        emit_report(args, report, print_report)
 
 
 def register(benches: Commands) -> None:

@@ -2,7 +2,8 @@
 
 import argparse
 
-from kmesh.cli.common import Commands, add_report_option, emit_report
+from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
+from kmesh.cli.common import Commands
 
 
 def _bench_load(args: argparse.Namespace) -> None:
@@ -11,9 +12,7 @@ def _bench_load(args: argparse.Namespace) -> None:
     from kmesh.bench.load import LoadConfig, run_load_bench
     from kmesh.bench.load_report import plot, print_report
 
-    cfg = LoadConfig(
-        args.engine, args.clients, args.seconds, args.check, args.abandon, args.seed, args.mix
-    )
+    cfg = config_from_args(LoadConfig, args)
     console = Console(stderr=True)
     result = run_load_bench(cfg, console.log)
     emit_report(args, result, print_report, plot)
@@ -49,6 +48,5 @@ def register(benches: Commands) -> None:
         help="then open this many families and rounds and never close them (RSS figure)",
     )
     load.add_argument("--seed", type=int, default=0)
-    add_report_option(load)
-    load.add_argument("--plot", default=None, help="where to draw RSS and store bytes")
+    add_report_option(load, plot="RSS and store bytes")
     load.set_defaults(func=_bench_load)

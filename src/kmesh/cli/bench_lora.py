@@ -4,7 +4,8 @@ residual (bench/lora.py; bench/lora_vllm.py with --engine vllm)."""
 import argparse
 from pathlib import Path
 
-from kmesh.cli.common import Commands, add_model_option, agent_counts, write_json
+from kmesh.cli.bench_common import agent_counts, config_from_args, write_json
+from kmesh.cli.common import Commands, add_model_option
 from kmesh.errors import InvalidRequestError
 
 
@@ -18,10 +19,10 @@ def _bench_lora(args: argparse.Namespace) -> None:
     from kmesh.compute.lora import load_adapter
     from kmesh.recovery.adapter_residual import ResidualConfig
 
-    cfg = LoraBenchConfig(
+    cfg = config_from_args(
+        LoraBenchConfig,
+        args,
         agents=tuple(agent_counts(args.agents, "--agents", 1)),
-        context_tokens=args.context_tokens,
-        seed=args.seed,
         residual=ResidualConfig(args.check_tokens, args.max_deviation),
     )
     console = Console(stderr=True)

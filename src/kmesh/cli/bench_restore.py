@@ -3,14 +3,14 @@
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
+from kmesh.cli.bench_common import add_report_option, emit_report
+from kmesh.cli.common import Commands, add_model_option
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_restore(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.common import report_console
     from kmesh.bench.restore import print_restore, run_restore_bench
 
     try:
@@ -26,8 +26,7 @@ def _bench_restore(args: argparse.Namespace) -> None:
         raise InvalidRequestError(f"--tiers takes local or local,remote; got {args.tiers!r}")
     console = Console(stderr=True)
     report = run_restore_bench(args.model, sizes, args.concurrency, console.log, tiers)
-    print_restore(report, report_console())
-    write_json(args.json, report)
+    emit_report(args, report, print_restore)
 
 
 def register(benches: Commands) -> None:

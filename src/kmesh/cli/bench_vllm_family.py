@@ -3,22 +3,19 @@ vanilla vLLM (bench/vllm_family.py)."""
 
 import argparse
 
-from kmesh.cli.common import Commands, add_model_option, add_report_option, write_json
+from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
+from kmesh.cli.common import Commands, add_model_option
 
 
 def _bench_vllm_family(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from kmesh.bench.common import report_console
     from kmesh.bench.vllm_family import FamilyBenchConfig, print_family, run_family_bench
 
-    config = FamilyBenchConfig(
-        args.instances, args.requests, args.trunk_tokens, args.max_tokens, args.model
-    )
+    config = config_from_args(FamilyBenchConfig, args)
     console = Console(stderr=True)
     report = run_family_bench(config, progress=console.log)
-    print_family(report, report_console())
-    write_json(args.json, report)
+    emit_report(args, report, print_family)
 
 
 def register(benches: Commands) -> None:

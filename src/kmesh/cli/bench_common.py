@@ -1,0 +1,76 @@
+"""What the `kmesh bench` commands share: agent-count lists, a bench's config made from its flags,
+and its report: the --json and --plot options, then its table, JSON and plot."""
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kmesh.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# A bench's config: a dataclass whose fields are (mostly) its flags.
+Config = TypeVar("Config", bound="DataclassInstance")
+
+
+def add_report_option(parser: argparse.ArgumentParser, plot: str | None = None) -> None:
+    """--json: where a bench writes its report (required); with `plot` (what its plot draws),
+    --plot too: where `emit_report` draws it (optional)."""
+    parser.add_argument("--json", required=True, help="where to write the report")
+    if plot is not None:
+        parser.add_argument("--plot", default=None, help=f"where to draw {plot}")
+
+
+def agent_counts(text: str | None, flag: str = "--scale", minimum: int = 2) -> list[int]:
+    """Agent counts given as "4,8,16" to `flag` (none when the flag is absent)."""
+    if text is None:
+        return []
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidRequestError(
+            f"{flag} takes agent counts separated by commas, like 4,8,16; got {text!r}"
+        ) from None
+    if any(n < minimum for n in counts):
+        raise InvalidRequestError(f"{flag} agent counts must be at least {minimum}")
+    return counts
+
+
+def config_from_args(config: type[Config], args: argparse.Namespace, **given: Any) -> Config:
+    """A bench's config from its flags: each field from the argument of the same name, unless
+    `given` sets it (a flag named otherwise, or one parsed first); a field with neither keeps
+    its default."""
+    named = {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(config)
+        if hasattr(args, field.name)
+    }
+    return config(**{**named, **given})
+
+
+def write_json(path: str, report: dict[str, object]) -> None:
+    """Write a benchmark report, creating its folder."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {target}")
+
+
+def emit_report(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    print_report: Callable[[dict[str, Any], Any], None],
+    plot: Callable[[dict[str, Any], Path], None] | None = None,
+) -> None:
+    """Print a bench's table, write its JSON to --json and, for a bench with a `plot` (and so a
+    --plot option: `add_report_option`), draw it to --plot if given."""
+    from kmesh.bench.common import report_console
+
+    print_report(result, report_console())
+    write_json(args.json, result)
+    if plot is not None and args.plot:
+        plot(result, Path(args.plot))
