@@ -7,7 +7,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.console import Console
-from rich.table import Table
+
+from kmesh.bench.common import report_table
 
 HEADER = (
     "strategy",
@@ -23,33 +24,38 @@ HEADER = (
 )
 
 
-def print_report(result: dict[str, Any], console: Console) -> None:
-    cfg = result["config"]
-    table = Table(
-        *HEADER,
-        title=(
-            f"bench agents: {cfg['workload']}, {cfg['rounds']} rounds, {cfg['max_tokens']} greedy "
-            f"tokens per message, engine {cfg['engine']}, KV cache {cfg['kv_cache']}, all of a "
-            f"round's agents at once (closed loop); SLO: TTFT p99 <= {cfg['slo_ttft_s']:g} s"
-        ),
+def _title(cfg: dict[str, Any]) -> str:
+    return (
+        f"bench agents: {cfg['workload']}, {cfg['rounds']} rounds, {cfg['max_tokens']} greedy "
+        f"tokens per message, engine {cfg['engine']}, KV cache {cfg['kv_cache']}, all of a "
+        f"round's agents at once (closed loop); SLO: TTFT p99 <= {cfg['slo_ttft_s']:g} s"
     )
-    strategies = result["strategies"]
+
+
+def _rows(strategies: dict[str, Any]) -> list[list[str]]:
+    """A row per strategy and agent count, in HEADER's order."""
     vllm = strategies["vllm"]["by_agents"]
-    for name, run in strategies.items():
-        for n, f in run["by_agents"].items():
-            table.add_row(
-                name,
-                n,
-                f"{f['makespan_s']:.1f}",
-                f"{f['makespan_s'] / vllm[n]['makespan_s']:.2f}",
-                f"{f['ttft_p50_s']:.2f} / {f['ttft_p99_s']:.2f}",
-                " / ".join(f"{c:.0f}" for c in f["computed_tokens"]),
-                _number(f["last_round_computed_over_new"]),
-                " / ".join("-" if m is None else f"{m:.0f}" for m in f["masters_built"]),
-                " / ".join(f"{s:.2f}" for s in f["identical_to_vllm"]),
-                str(len(f["failures"])),
-            )
-    console.print(table)
+    return [
+        [
+            name,
+            n,
+            f"{f['makespan_s']:.1f}",
+            f"{f['makespan_s'] / vllm[n]['makespan_s']:.2f}",
+            f"{f['ttft_p50_s']:.2f} / {f['ttft_p99_s']:.2f}",
+            " / ".join(f"{c:.0f}" for c in f["computed_tokens"]),
+            _number(f["last_round_computed_over_new"]),
+            " / ".join("-" if m is None else f"{m:.0f}" for m in f["masters_built"]),
+            " / ".join(f"{s:.2f}" for s in f["identical_to_vllm"]),
+            str(len(f["failures"])),
+        ]
+        for name, run in strategies.items()
+        for n, f in run["by_agents"].items()
+    ]
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    strategies = result["strategies"]
+    console.print(report_table(HEADER, _rows(strategies), _title(result["config"])))
     held = ", ".join(f"{name} {run['max_agents_under_slo']}" for name, run in strategies.items())
     console.print(f"agents held under the SLO: {held}")
     exact = strategies.get("kmesh_exact", {}).get("by_agents", {})

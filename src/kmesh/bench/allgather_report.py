@@ -16,6 +16,8 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Column, Table
 
+from kmesh.bench.common import report_table
+
 KL_FLOOR = 1e-6  # where a zero KL is drawn on the log-scale quality plot
 
 TOKEN_LAYERS = (
@@ -169,11 +171,9 @@ def _scaling_table(scaling: list[dict[str, Any]]) -> tuple[list[str], Rows]:
 
 
 def _rich_table(header: list[str] | tuple[str, ...], rows: Rows, title: str) -> Table:
+    """`report_table` with the first column (the row's name) kept on one line."""
     first, *rest = header
-    table = Table(Column(first, no_wrap=True), *rest, title=title)
-    for row in rows:
-        table.add_row(*row)
-    return table
+    return report_table((Column(first, no_wrap=True), *rest), rows, title)
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:

@@ -7,7 +7,19 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.console import Console
-from rich.table import Table
+
+from kmesh.bench.common import report_table
+
+HEADER = (
+    "strategy",
+    "agents",
+    "computed tokens per round",
+    "new tokens per round",
+    "worst round / new",
+    "prefill s per round",
+    "held MiB per agent",
+    "restored MiB",
+)
 
 
 def _mib(value: float) -> str:
@@ -18,40 +30,39 @@ def _per_round(values: list[float]) -> str:
     return " / ".join(f"{v:,.0f}" for v in values)
 
 
-def print_report(result: dict[str, Any], console: Console) -> None:
-    cfg = result["config"]
-    table = Table(
-        "strategy",
-        "agents",
-        "computed tokens per round",
-        "new tokens per round",
-        "worst round / new",
-        "prefill s per round",
-        "held MiB per agent",
-        "restored MiB",
-        title=(
-            f"bench capacity: {cfg['workload']}, {cfg['rounds']} rounds, budget "
-            f"{cfg['budget_mib']} MiB (seed {cfg['seed']}); limit {result['limit']}x new tokens"
-        ),
-    )
-    for name, strategy in result["strategies"].items():
+def _rows(strategies: dict[str, Any]) -> list[list[str]]:
+    """A row per strategy and agent count (one for a strategy that did not run), in HEADER's
+    order."""
+    rows = []
+    for name, strategy in strategies.items():
         if "error" in strategy:
-            table.add_row(name, "-", f"did not run: {strategy['error'][:90]}", *["-"] * 5)
+            rows.append([name, "-", f"did not run: {strategy['error'][:90]}", *["-"] * 5])
             continue
         for run in strategy["runs"]:
             computed, new = run["computed_tokens_per_round"], run["new_tokens_per_round"]
             worst = max(c / n for c, n in zip(computed, new, strict=True))
-            table.add_row(
-                name,
-                str(run["agents"]),
-                _per_round(computed),
-                _per_round(new),
-                f"{worst:.2f}",
-                " / ".join(f"{s:.1f}" for s in run["prefill_seconds_per_round"]),
-                _mib(run["bytes_per_agent"]),
-                _mib(run["bytes_restored"]),
+            rows.append(
+                [
+                    name,
+                    str(run["agents"]),
+                    _per_round(computed),
+                    _per_round(new),
+                    f"{worst:.2f}",
+                    " / ".join(f"{s:.1f}" for s in run["prefill_seconds_per_round"]),
+                    _mib(run["bytes_per_agent"]),
+                    _mib(run["bytes_restored"]),
+                ]
             )
-    console.print(table)
+    return rows
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    cfg = result["config"]
+    title = (
+        f"bench capacity: {cfg['workload']}, {cfg['rounds']} rounds, budget "
+        f"{cfg['budget_mib']} MiB (seed {cfg['seed']}); limit {result['limit']}x new tokens"
+    )
+    console.print(report_table(HEADER, _rows(result["strategies"]), title))
     console.print(
         "max agents within the limit: "
         + ", ".join(f"{n} {a if a is not None else '-'}" for n, a in result["max_agents"].items())

@@ -1,12 +1,14 @@
-"""What every bench shares: the hardware line its JSON report carries, the console its tables
-print to, and nearest-rank quantiles."""
+"""What every bench shares: the hardware line its JSON report carries, its tables and the console
+they print to, and nearest-rank quantiles."""
 
 import os
 import platform
 import sys
+from collections.abc import Iterable, Sequence
 
 import torch
 from rich.console import Console
+from rich.table import Column, Table
 
 
 def hardware() -> str:
@@ -20,6 +22,17 @@ def report_console() -> Console:
     """A console for tables on stdout: the terminal's width, or 160 columns when piped (rich
     would otherwise squeeze the tables into 80)."""
     return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def report_table(
+    header: Sequence[str | Column], rows: Iterable[Sequence[str]], title: str
+) -> Table:
+    """A report's table for the console: the header's columns, a row per sequence of cells (one
+    cell per column), the title above."""
+    table = Table(*header, title=title)
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def quantile(values: list[float], q: float) -> float | None:

@@ -6,7 +6,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.console import Console
-from rich.table import Table
+
+from kmesh.bench.common import report_table
 
 HEADER = (
     "ratio",
@@ -25,24 +26,25 @@ def _totals(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in rounds) for k in rounds[0]}
 
 
-def print_report(result: dict[str, Any], console: Console) -> None:
-    cfg = result["config"]
-    table = Table(
-        *HEADER,
-        title=(
-            f"bench council: {cfg['framework']} RoundRobinGroupChat, {cfg['agents']} agents x "
-            f"{cfg['rounds']} rounds, {cfg['max_tokens']} greedy tokens per message; vanilla "
-            f"vLLM vs kmesh serve --engine {cfg['engine']} --reuse-messages (approximate; "
-            "identical: closed loop)"
-        ),
+def _title(cfg: dict[str, Any]) -> str:
+    return (
+        f"bench council: {cfg['framework']} RoundRobinGroupChat, {cfg['agents']} agents x "
+        f"{cfg['rounds']} rounds, {cfg['max_tokens']} greedy tokens per message; vanilla "
+        f"vLLM vs kmesh serve --engine {cfg['engine']} --reuse-messages (approximate; "
+        "identical: closed loop)"
     )
+
+
+def _rows(result: dict[str, Any]) -> list[list[str]]:
+    """Per KMesh ratio, a row per round and one for all rounds, in HEADER's order."""
     vanilla = result["vanilla"]["rounds"]
+    rows = []
     for run in result["kmesh"]:
-        rows = list(zip(vanilla, run["rounds"], run["identical_to_vanilla"], strict=True))
-        labelled = [(str(i), *row) for i, row in enumerate(rows)]
+        rounds = list(zip(vanilla, run["rounds"], run["identical_to_vanilla"], strict=True))
+        labelled = [(str(i), *round_) for i, round_ in enumerate(rounds)]
         labelled.append(("all", _totals(vanilla), _totals(run["rounds"]), None))
-        for label, base, ours, same in labelled:
-            table.add_row(
+        rows += [
+            [
                 f"{run['ratio']:g}",
                 label,
                 f"{ours['prompt']:.0f}",
@@ -52,8 +54,14 @@ def print_report(result: dict[str, Any], console: Console) -> None:
                 f"{ours['reused']:.0f} / {ours['recovered']:.0f}",
                 f"{ours['fallbacks']:.0f}",
                 "" if same is None else f"{same:.2f}",
-            )
-    console.print(table)
+            ]
+            for label, base, ours, same in labelled
+        ]
+    return rows
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    console.print(report_table(HEADER, _rows(result), _title(result["config"])))
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Column, Table
 
+from kmesh.bench.common import report_table
 from kmesh.compute.executor import Executor
 from kmesh.engine.engine import Engine
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
@@ -285,28 +286,31 @@ def strategy_table(
     """A fork report's table: per strategy, computed prompt tokens against the ideal, then the
     `extra` columns (header -> cell of a strategy's row), then seconds. Both engines' reports."""
     cfg = report["config"]
-    table = Table(
+    header = (
         Column("strategy", no_wrap=True),
         "computed prompt",
         "ideal",
         "ratio",
         *extra,
         "seconds",
-        title=(
-            f"bench fork {title}--mode {cfg['mode']}: {cfg['leaves']} leaves, trunk "
-            f"{cfg['trunk_tokens']} tokens, {cfg['branch_tokens']} tokens per branch"
-        ),
     )
-    for name, row in report["strategies"].items():
-        table.add_row(
+    rows = [
+        [
             name,
             str(row["computed_prompt_tokens"]),
             str(row["ideal_prompt_tokens"]),
             f"{row['computed_prompt_tokens'] / row['ideal_prompt_tokens']:.2f}",
             *(cell(row) for cell in extra.values()),
             f"{row['seconds']:.2f}",
-        )
-    return table
+        ]
+        for name, row in report["strategies"].items()
+    ]
+    return report_table(
+        header,
+        rows,
+        f"bench fork {title}--mode {cfg['mode']}: {cfg['leaves']} leaves, trunk "
+        f"{cfg['trunk_tokens']} tokens, {cfg['branch_tokens']} tokens per branch",
+    )
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

@@ -6,32 +6,30 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.console import Console
-from rich.table import Table
+
+from kmesh.bench.common import report_table
+
+HEADER = (
+    "requests",
+    "failures",
+    "exact checked / wrong",
+    "first token p50 / p99 (s)",
+    "total p50 / p99 (s)",
+    "RSS first / last (MiB)",
+    "RSS slope (MiB/min)",
+    "store slope (MiB/min)",
+)
 
 
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def print_report(result: dict[str, Any], console: Console) -> None:
-    cfg = result["config"]
-    table = Table(
-        "requests",
-        "failures",
-        "exact checked / wrong",
-        "first token p50 / p99 (s)",
-        "total p50 / p99 (s)",
-        "RSS first / last (MiB)",
-        "RSS slope (MiB/min)",
-        "store slope (MiB/min)",
-        title=(
-            f"bench load: kmesh serve --engine {cfg['engine']}, {cfg['clients']} clients, "
-            f"{cfg['seconds']:.0f} s (seed {cfg['seed']}); slopes after warm-up"
-        ),
-    )
+def _row(result: dict[str, Any]) -> list[str]:
+    """The soak's one row, in HEADER's order."""
     failures = ", ".join(f"{k} {v}" for k, v in result["failures"].items()) or "none"
     latency, rss = result["latency_s"], result["rss_mib"]
-    table.add_row(
+    return [
         str(result["requests"]),
         failures,
         f"{result['checked_exact']} / {result['wrong_exact']}",
@@ -40,8 +38,16 @@ def print_report(result: dict[str, Any], console: Console) -> None:
         f"{rss[0]['rss_mib']:.0f} / {rss[-1]['rss_mib']:.0f}",
         f"{result['rss_slope_mib_per_min']:.2f}",
         f"{result['store_slope_mib_per_min']:.2f}",
+    ]
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    cfg = result["config"]
+    title = (
+        f"bench load: kmesh serve --engine {cfg['engine']}, {cfg['clients']} clients, "
+        f"{cfg['seconds']:.0f} s (seed {cfg['seed']}); slopes after warm-up"
     )
-    console.print(table)
+    console.print(report_table(HEADER, [_row(result)], title))
     console.print("by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(result["by_kind"].items())))
     abandoned = result["abandoned"]
     if abandoned:

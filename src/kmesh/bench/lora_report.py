@@ -6,7 +6,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.console import Console
-from rich.table import Table
+
+from kmesh.bench.common import report_table
 
 HEADER = (
     "agents",
@@ -53,19 +54,16 @@ def _rows(result: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def print_report(result: dict[str, Any], console: Console) -> None:
-    cfg = result["config"]
-    table = Table(
-        *HEADER,
-        title=(
-            f"bench lora ({cfg.get('engine', 'reference')} engine): one "
-            f"{cfg['context_tokens']}-token context, one adapter per agent "
-            f"(quality against exact; activated against its own full prefill)"
-        ),
+def _title(cfg: dict[str, Any]) -> str:
+    return (
+        f"bench lora ({cfg.get('engine', 'reference')} engine): one "
+        f"{cfg['context_tokens']}-token context, one adapter per agent "
+        f"(quality against exact; activated against its own full prefill)"
     )
-    for row in _rows(result):
-        table.add_row(*row)
-    console.print(table)
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    console.print(report_table(HEADER, _rows(result), _title(result["config"])))
     for name, strategy in result["strategies"].items():
         if "not_built" in strategy:
             console.print(f"{name}: {strategy['not_built']}")
