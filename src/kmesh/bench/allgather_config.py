@@ -17,6 +17,18 @@ from kmesh.recovery.recover import RecoveryConfig
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 SWEEP_POLICIES = ("kv_deviation", "first_k", "random", "none")
 SWEEP_RATIOS = (0.0, 0.05, 0.15, 0.3)
+# The recovery settings: the fields a report's config lists and the command line sets (each by
+# the flag of its name).
+RECOVERY_FIELDS = (
+    "policy",
+    "master",
+    "recompute_ratio",
+    "shared_ratio",
+    "agent_ratio",
+    "check_layer",
+    "gate",
+    "gate_sample",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +87,4 @@ class AllGatherBenchConfig:
 
     def recovery_fields(self) -> dict[str, Any]:
         """The recovery settings as a report's config lists them (both engines' reports)."""
-        return {
-            "policy": self.policy,
-            "master": self.master,
-            "recompute_ratio": self.recompute_ratio,
-            "shared_ratio": self.shared_ratio,
-            "agent_ratio": self.agent_ratio,
-            "check_layer": self.check_layer,
-            "gate": self.gate,
-            "gate_sample": self.gate_sample,
-        }
+        return {name: getattr(self, name) for name in RECOVERY_FIELDS}

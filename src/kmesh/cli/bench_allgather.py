@@ -16,7 +16,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from kmesh.bench.allgather import run_allgather_bench
-    from kmesh.bench.allgather_config import AllGatherBenchConfig
+    from kmesh.bench.allgather_config import RECOVERY_FIELDS, AllGatherBenchConfig
     from kmesh.bench.allgather_report import print_table, write_report
     from kmesh.bench.common import report_console
     from kmesh.compute.loader import load_model
@@ -24,17 +24,9 @@ def _bench_allgather(args: argparse.Namespace) -> None:
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace
     from kmesh.workloads.trace import load_trace
 
-    options = (
-        "policy",
-        "master",
-        "recompute_ratio",
-        "shared_ratio",
-        "agent_ratio",
-        "check_layer",
-        "gate",
-        "gate_sample",
-    )
-    given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
+    given = {
+        name: getattr(args, name) for name in RECOVERY_FIELDS if getattr(args, name) is not None
+    }
     if args.no_gate:
         if "gate" in given:
             raise InvalidRequestError("--gate and --no-gate cannot be combined")
