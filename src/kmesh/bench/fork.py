@@ -286,14 +286,14 @@ def strategy_table(
     """A fork report's table: per strategy, computed prompt tokens against the ideal, then the
     `extra` columns (header -> cell of a strategy's row), then seconds. Both engines' reports."""
     cfg = report["config"]
-    header = (
+    header: list[str | Column] = [
         Column("strategy", no_wrap=True),
         "computed prompt",
         "ideal",
         "ratio",
         *extra,
         "seconds",
-    )
+    ]
     rows = [
         [
             name,
