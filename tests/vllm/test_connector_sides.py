@@ -47,6 +47,8 @@ def request(request_id: str, prompt=PROMPT, salt=None, lora=None, kmesh=None, lo
         lora_request=None if lora is None else SimpleNamespace(lora_name=lora, lora_path=lora_path),
         kv_transfer_params=None if kmesh is None else {"kmesh": kmesh},
         output_token_ids=[1, 2],
+        all_token_ids=[*prompt, 1, 2],
+        num_computed_tokens=len(prompt),  # finished as its prompt was computed
     )
 
 
@@ -372,9 +374,10 @@ def test_without_a_store_vllm_computes_everything(tmp_path):
     assert finish(scheduler, req)["computed_tokens"] == len(PROMPT)
 
 
-def worker(store) -> tuple[WorkerSide, list[torch.Tensor]]:
-    layers = [torch.randn(6, *PAGE_SHAPE) for _ in LAYERS]
-    side = WorkerSide(store.socket, LAYOUT)
+def worker(store, page_shape=PAGE_SHAPE) -> tuple[WorkerSide, list[torch.Tensor]]:
+    layers = [torch.randn(6, *page_shape) for _ in LAYERS]
+    layout = BlockLayout(LAYERS, BLOCK, int(np.prod(page_shape)) * 4, torch.float32, "cpu")
+    side = WorkerSide(store.socket, layout)
     side.register_kv_caches(dict(zip(LAYERS, layers, strict=True)))
     return side, layers
 
@@ -455,7 +458,8 @@ def finished_generating(request_id: str, output: list[int], **kwargs):
     """A request that generated `output` (every token but the last fed back: computed)."""
     req = request(request_id, **kwargs)
     req.output_token_ids = output
-    req.num_computed_tokens = len(PROMPT) + len(output) - 1
+    req.all_token_ids = [*req.prompt_token_ids, *output]
+    req.num_computed_tokens = len(req.prompt_token_ids) + len(output) - 1
     return req
 
 
@@ -525,3 +529,123 @@ def test_the_worker_keeps_a_finished_requests_generated_rows_then_releases_its_b
     want_k, want_v = Pages(layers, LAYERS, BLOCK).read([3, 4, 5, 1], positions)
     assert (tenant, tokens, start) == ("kmesh-approx:t", [7, 8], len(PROMPT))
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def prompt_step(req) -> SimpleNamespace:
+    """A scheduler step that computes the whole prompt of `req`."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={req.request_id: req.num_prompt_tokens},
+    )
+
+
+def tail_side(tmp_path) -> SchedulerSide:
+    """A scheduler side without a store (tails are this engine's own)."""
+    scheduler = SchedulerSide(str(tmp_path / "none.sock"), LAYOUT, "m")
+    scheduler.bind_block_ids(lambda request_id: ([3, 4, 5],))
+    return scheduler
+
+
+def test_a_branch_of_a_computed_prompt_computes_only_its_last_token(tmp_path):
+    scheduler = tail_side(tmp_path)
+    first = request("first")  # 11 tokens: pages [0, 4), [4, 8) and rows 8, 9, 10 of the third
+    assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+    (kept,) = scheduler.build_connector_meta(prompt_step(first)).prompt_tails
+    assert (kept.block_ids, kept.start, kept.end) == ([3, 4, 5], 8, 11)
+
+    branch = request("branch")
+    claimed, _ = scheduler.get_num_new_matched_tokens(branch, 8)
+    assert claimed == 2  # rows 8, 9: vLLM computes row 10
+    (copy,) = allocate(scheduler, branch, claimed, (6, 7, 8)).tail_copies
+    assert (copy.tail_id, copy.block_ids, copy.start, copy.end) == (kept.tail_id, [6, 7, 8], 8, 10)
+    stats = finish(scheduler, branch)
+    assert (stats["reused_tokens"], stats["computed_tokens"]) == (10, 1)
+
+
+def test_a_continuation_takes_the_rows_its_parent_generated_past_its_last_page(tmp_path):
+    scheduler = tail_side(tmp_path)
+    parent = finished_generating("parent", [7, 8, 9])  # rows 0..12 computed (9 never fed)
+    scheduler.get_num_new_matched_tokens(parent, 0)
+    delay_free, _ = scheduler.request_finished(parent, [3, 4, 5, 6])
+    assert not delay_free  # the worker reads rows [12, 13) first thing in the next step
+    (kept,) = scheduler.build_connector_meta(NOTHING_SCHEDULED).finished_tails
+    assert (kept.block_ids, kept.start, kept.end) == ([3, 4, 5, 6], 12, 13)
+
+    turn = request("turn", prompt=[*PROMPT, 7, 8, 9, 20, 21])
+    claimed, _ = scheduler.get_num_new_matched_tokens(turn, 12)
+    assert claimed == 1
+    allocate(scheduler, turn, claimed, (6, 7, 8, 9))
+    assert finish(scheduler, turn)["computed_tokens"] == 3  # 9, 20, 21
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"salt": "B"}, {"lora": "x"}, {"kmesh": {"recovery": {"policy": "kv_deviation"}}}],
+    ids=["another cache_salt", "a LoRA adapter", "a recovering request"],
+)
+def test_no_tail_crosses_salts_or_adapters_or_reaches_a_recovering_request(tmp_path, kwargs):
+    scheduler = tail_side(tmp_path)
+    first = request("first")
+    scheduler.get_num_new_matched_tokens(first, 0)
+    scheduler.build_connector_meta(prompt_step(first))
+    other = request("other", **kwargs)
+    claimed, _ = scheduler.get_num_new_matched_tokens(other, 8)
+    assert allocate(scheduler, other, claimed, (6, 7, 8)).tail_copies == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"lora": "x"}, {"kmesh": {"recovery": {"policy": "kv_deviation"}}}],
+    ids=["a LoRA adapter", "a recovering request (its rows may be approximate)"],
+)
+def test_adapter_and_recovering_requests_file_no_tails(tmp_path, kwargs):
+    scheduler = tail_side(tmp_path)
+    req = request("req", **kwargs)
+    scheduler.get_num_new_matched_tokens(req, 0)
+    assert scheduler.build_connector_meta(prompt_step(req)).prompt_tails == []
+
+
+def test_a_tail_the_worker_could_not_copy_is_computed_by_vllm(tmp_path):
+    scheduler = tail_side(tmp_path)
+    first = request("first")
+    scheduler.get_num_new_matched_tokens(first, 0)
+    scheduler.build_connector_meta(prompt_step(first))
+    branch = request("branch")
+    allocate(scheduler, branch, scheduler.get_num_new_matched_tokens(branch, 8)[0], (6, 7, 8))
+    scheduler.load_failed({8})  # the block the rows were copied into
+    assert finish(scheduler, branch)["computed_tokens"] == 3
+
+
+def test_the_worker_copies_a_kept_tail_exactly_and_reports_a_missing_one(store):
+    from kmesh.vllm.metadata import CopyTail, KeepTail
+    from kmesh.vllm.pages import Pages
+
+    side, layers = worker(store, (1, BLOCK, 128))  # a head size vLLM's cache-write op takes
+    attention = {name: SimpleNamespace(isa="vec") for name in LAYERS}
+    pages = Pages(layers, LAYERS, BLOCK)
+    side.keep_tails([KeepTail(0, [3, 4, 5], 8, 11)])
+    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)], attention)
+    want = pages.read([3, 4, 5], torch.arange(8, 10))
+    got = pages.read([0, 1, 2], torch.arange(8, 10))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert side.take_load_errors() == set()
+
+    side.drop_tails([0])
+    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)], attention)
+    assert side.take_load_errors() == {2}
+
+
+def test_the_worker_keeps_no_tail_from_pages_that_failed_to_load(store):
+    from kmesh.vllm.metadata import CopyTail, KeepTail
+
+    side, _ = worker(store)
+    key = bytes(32)
+    with StoreClient(store.socket) as client:  # an entry of another layout: block 5 fails
+        client.acquire([key])
+        client.publish(key, bytes(LAYOUT.block_bytes), meta={"dtype": "bfloat16"})
+        hit = client.acquire([key]).hits[0]
+    side.load(KMeshConnectorMetadata(loads=[LoadBlock(None, 5, hit)]))
+    side.keep_tails([KeepTail(0, [3, 4, 5], 8, 11)])
+    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)], {})
+    assert side.take_load_errors() == {5, 2}

@@ -6,6 +6,10 @@ KMeshConnector, three ways, each under its own cache_salt (no state crosses betw
 - kmesh: how `kmesh serve --engine vllm` runs `n` (serve/branches.py::prefix_shared_branches):
   the first branch alone until its first token, when the fork point's pages are in the prefix
   cache, then the others (here on the same AsyncLLM as the other two ways, called directly).
+  Its requests take the rows of the fork point's partly used page from the tail that the
+  first branch, or the request that generated the fork point's last tokens, left
+  (kmesh/vllm/tail_claims.py). independent and vllm_n turn that off (`page_tails: false`),
+  so they stay plain vLLM's prefix caching.
 
 best-of-n: one fork point, the prompt. cot: a trunk request generates `reasoning_tokens` (the
 same in every strategy), then one fork point, prompt + reasoning. tree: the prompt forks into B
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kmesh.bench.fork import ForkBenchConfig, ideal_prompt_tokens, prompt_ids, strategy_table
+from kmesh.state.request_meta import KMESH_PARAMS_KEY
 
 STRATEGIES = ("independent", "vllm_n", "kmesh")
 SETTLE_S = 0.5
@@ -91,6 +96,8 @@ class _Runner:
         prompt = {"prompt_token_ids": context, "cache_salt": self.salt}
         request_id = f"{self.strategy}-{next(self._ids)}"
         params = self._params(max_tokens, seed, n)
+        if self.strategy != "kmesh":  # plain vLLM's prefix caching
+            params.extra_args = {"kv_transfer_params": {KMESH_PARAMS_KEY: {"page_tails": False}}}
         if first_token:
             params.output_kind = RequestOutputKind.CUMULATIVE
         return self.llm.generate(prompt, params, request_id)

@@ -126,6 +126,11 @@ class KMeshParams(BaseModel):
     # Keep the KV of the tokens this request generates as an output segment of its tenant (its
     # author's KV): later requests' per-request recovery reuses it wherever a segment holds them.
     keep_output: bool = False
+    # Inside vLLM: take (and leave for later requests) the rows of partly used pages that earlier
+    # requests of the engine computed (kmesh/vllm/tail_claims.py). False: vLLM's own whole-page
+    # prefix caching only, e.g. to compare with plain vLLM. The reference engine's prefix reuse
+    # is token-granular already and ignores it.
+    page_tails: bool = True
 
     @model_validator(mode="after")
     def _check_references(self) -> "KMeshParams":

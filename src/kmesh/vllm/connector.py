@@ -14,8 +14,9 @@ and refuses every recovery, saying why (recovery_support.py). Each finished
 request's output carries `kv_transfer_params["kmesh"]` = {prompt_tokens, reused_tokens,
 restored_tokens, recovered_tokens, computed_tokens, family, `recovery` when asked, and
 `kept_output_tokens` when it kept its output (its blocks are then freed a step later, once the
-worker half has read its generated rows)}. The same counts, summed, reach vLLM's /metrics
-(metrics.py).
+worker half has read its generated rows)}; `reused_tokens` counts vLLM's prefix-cache hit and the
+rows copied from a page tail an earlier request of this engine left (tail_claims.py). The same
+counts, summed, reach vLLM's /metrics (metrics.py).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,10 @@ class KMeshConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             unavailable = recovery_unavailable(vllm_config.parallel_config, layout)
             model = vllm_config.model_config.model
-            self._scheduler = SchedulerSide(store, layout, model, unavailable)
+            # A finished request's page tail is read from its freed blocks in the next step,
+            # before anything is written into them: only when steps run one after another.
+            finished_tails = not vllm_config.scheduler_config.async_scheduling
+            self._scheduler = SchedulerSide(store, layout, model, unavailable, finished_tails)
         else:
             self._worker = WorkerSide(store, layout)
 
@@ -71,9 +75,13 @@ class KMeshConnector(KVConnectorBase_V1):
         self._worker_side.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker_side.keep_outputs(self._metadata)  # first: this step's recoveries read them
-        self._worker_side.load(self._metadata)
-        self._worker_side.recover(self._metadata, forward_context.no_compile_layers)
+        worker, metadata = self._worker_side, self._metadata
+        # First of all: nothing has been written into the finished requests' freed blocks yet.
+        worker.keep_tails(metadata.finished_tails)
+        worker.keep_outputs(metadata)  # before this step's recoveries read them
+        worker.copy_tails(metadata.tail_copies, forward_context.no_compile_layers)
+        worker.load(metadata)
+        worker.recover(metadata, forward_context.no_compile_layers)
 
     def attach_recovery(self, recovery: RequestRecovery) -> None:
         """Called by the worker extension (kmesh_attach) with an executor on vLLM's model."""
@@ -88,7 +96,10 @@ class KMeshConnector(KVConnectorBase_V1):
         return  # whole blocks are saved after the forward pass, in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._worker_side.save(self._metadata)
+        worker, metadata = self._worker_side, self._metadata
+        worker.save(metadata)
+        worker.keep_tails(metadata.prompt_tails)  # the rows this step computed
+        worker.drop_tails(metadata.dropped_tails)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose kept output the worker has read: vLLM frees their blocks now."""

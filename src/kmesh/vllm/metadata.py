@@ -3,7 +3,8 @@
 Scheduler -> worker (KMeshConnectorMetadata): the blocks to fill from the store before the forward
 pass, the requests whose claimed rows recovery fills, the blocks to copy into segments the store
 reserved after it, and the finished requests whose generated rows to keep (their blocks stay
-allocated until the worker says it has read them: vLLM's delayed free). Worker -> scheduler
+allocated until the worker says it has read them: vLLM's delayed free), and the page tails to keep,
+copy and drop (page_tails.py). Worker -> scheduler
 (KMeshWorkerMetadata): the checksum of each copied block (to commit it) or None (to abandon it), and
 each recovered request's report. The store protocol (claims, commits, pins) stays on the scheduler
 side; the worker only moves bytes between shared memory and vLLM's KV cache, and fills recovered
@@ -48,12 +49,37 @@ class KeepOutput:
     start: int  # the first generated token's position (the prompt's length)
 
 
+@dataclass(frozen=True, slots=True)
+class KeepTail:
+    """Rows [start, end) of a request's blocks to keep as tail `tail_id` (page_tails.py)."""
+
+    tail_id: int
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTail:
+    """Rows [start, end) of kept tail `tail_id` to copy into a request's blocks."""
+
+    tail_id: int
+    block_ids: list[int]
+    start: int
+    end: int
+
+
 @dataclass
 class KMeshConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadBlock] = field(default_factory=list)
     saves: list[SaveBlock] = field(default_factory=list)
     recoveries: list[RecoveryJob] = field(default_factory=list)
     outputs: list[KeepOutput] = field(default_factory=list)
+    tail_copies: list[CopyTail] = field(default_factory=list)  # before the forward pass
+    # Of requests finished last step: read from their freed blocks before anything is written.
+    finished_tails: list[KeepTail] = field(default_factory=list)
+    prompt_tails: list[KeepTail] = field(default_factory=list)  # after it
+    dropped_tails: list[int] = field(default_factory=list)  # after it
 
 
 @dataclass

@@ -13,7 +13,8 @@ For each waiting request, vLLM reports its local prefix-cache hit (whole blocks)
 - otherwise the published blocks load from the store (vLLM computes at least the prompt's last
   token, so at most the full blocks before it load), the request waits while another engine
   computes the next one, and the blocks no one has this engine computes and publishes
-  (store_side.py).
+  (store_side.py); after them, the rows of a partly used page that an earlier request of this
+  engine computed are copied from the tail the worker half keeps (tail_claims.py).
 Every store failure falls back to vLLM computing the tokens itself.
 """
 
@@ -29,6 +30,7 @@ from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KeepOutput, KMeshConnectorMetadata, LoadBlock
 from kmesh.vllm.recovery_claims import BASE_FILL, recovery_claim, recovery_job
 from kmesh.vllm.store_side import StoreSide
+from kmesh.vllm.tail_claims import TailClaims
 from kmesh.vllm.tracked import RequestTracker, Tracked
 
 log = logging.getLogger(__name__)
@@ -41,9 +43,11 @@ class SchedulerSide:
         layout: BlockLayout,
         model: str,
         recovery_unavailable: str | None = None,
+        finished_tails: bool = True,
     ) -> None:
         """`recovery_unavailable`: why this engine cannot recover (recovery_support.py), or
-        None; every request asking for recovery is then refused with that reason."""
+        None; every request asking for recovery is then refused with that reason.
+        `finished_tails`: whether finished requests' page tails are kept (tail_claims.py)."""
         self.layout = layout
         self.recovery_unavailable = recovery_unavailable
         if recovery_unavailable is not None:
@@ -56,6 +60,8 @@ class SchedulerSide:
         self.model = model
         self.fingerprint = model_fingerprint(model)
         self.store = StoreSide(store, layout)
+        row_bytes = layout.block_bytes // self.block_size
+        self.tails = TailClaims(self.fingerprint, self.block_size, row_bytes, finished_tails)
         self.meta_bytes = self.store.meta_bytes
         self._tracker = RequestTracker(model, self.fingerprint, self.block_size)
         self._requests: dict[str, Tracked] = {}
@@ -100,13 +106,14 @@ class SchedulerSide:
         if start is not None and num_computed_tokens < start:
             return self._base_claim(request, tracked, start, first), False
         if not self.store.available or first >= loadable or first >= len(tracked.keys):
-            return 0, False
+            return self.tails.claim(request, tracked, num_computed_tokens), False
         idle = not any(t.running for t in self._requests.values())
         got = self.store.load(request.request_id, tracked, first, loadable, idle)
         if got is None:
             return None, False
         tracked.hits = list(got.hits[: max(0, loadable - first)])
-        return len(tracked.hits) * self.block_size, False
+        loaded = len(tracked.hits) * self.block_size
+        return loaded + self.tails.claim(request, tracked, num_computed_tokens + loaded), False
 
     def _base_claim(self, request: Any, tracked: Tracked, start: int, first: int) -> int | None:
         """Claim an activated request's rows after the local hit (`first` whole blocks) up to
@@ -138,7 +145,9 @@ class SchedulerSide:
             job = recovery_job(request, tracked, block_ids, rows, spec, family, self.block_size)
             self._recoveries.append(job)
             return
-        self._load_hits(tracked, block_ids, num_external_tokens // self.block_size)
+        tail_rows = 0 if tracked.tail is None else tracked.tail.end - tracked.tail.start
+        self._load_hits(tracked, block_ids, (num_external_tokens - tail_rows) // self.block_size)
+        self.tails.after_alloc(tracked, block_ids, num_external_tokens)
 
     def _load_hits(self, tracked: Tracked, block_ids: list[int], count: int) -> None:
         """Queue the first `count` store hits for the worker to load after the local hit."""
@@ -180,6 +189,9 @@ class SchedulerSide:
             if self.store.available and any((i + 1) * self.block_size <= done for i in led):
                 block_ids = self._block_ids(request_id)[0]
                 meta.saves += self.store.reserve(request_id, tracked, done, block_ids)
+            if tracked.takes_tails and num_computed < len(tracked.prompt_ids) <= done:
+                self.tails.prompt_computed(request_id, tracked, self._block_ids(request_id)[0])
+        self.tails.take(meta)
         return meta
 
     def update_connector_output(self, saved: dict[TenantKey, int | None]) -> None:
@@ -205,16 +217,18 @@ class SchedulerSide:
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None:
             return False, {}
-        keep = self._keep_output(request, tracked, block_ids)
+        kept_output = self._keep_output(request, tracked, block_ids)
+        self.tails.finished(request, tracked, block_ids)
         self.store.finish(request.request_id, tracked)
         prompt = request.num_prompt_tokens
         stats: dict[str, Any] = {
             "prompt_tokens": prompt,
-            "reused_tokens": tracked.local_tokens,
+            "reused_tokens": tracked.local_tokens + tracked.tail_tokens,
             "restored_tokens": tracked.loaded_tokens,
             "recovered_tokens": tracked.recovered_tokens,
             "computed_tokens": prompt
             - tracked.local_tokens
+            - tracked.tail_tokens
             - tracked.loaded_tokens
             - tracked.recovered_tokens,
             "family": None if tracked.params is None else tracked.params.family,
@@ -227,10 +241,10 @@ class SchedulerSide:
             stats["recovery"] = tracked.recovery
         elif tracked.recovered_tokens:
             self._finishing[request.request_id] = stats  # its report comes in this same step
-        if keep:
+        if kept_output:
             stats["kept_output_tokens"] = len(self._outputs[-1].token_ids)
         self._finished.append((stats, len(request.output_token_ids)))
-        return keep, stats
+        return kept_output, stats
 
     def take_finished(self) -> list[dict[str, Any]]:
         """Stats of the requests finished since the last call, each with completion_tokens (for
@@ -268,6 +282,7 @@ class SchedulerSide:
     def load_failed(self, block_ids: set[int]) -> None:
         """The worker could not load these blocks; vLLM recomputes them: not restored."""
         for tracked in self._requests.values():
+            self.tails.load_failed(tracked, block_ids)
             lost = len(tracked.loaded_block_ids & block_ids)
             tracked.loaded_block_ids -= block_ids
             tracked.loaded_tokens -= lost * self.block_size

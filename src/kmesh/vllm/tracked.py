@@ -8,6 +8,7 @@ segments, or the whole prompt without segments.
 """
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from kmesh.state.request_meta import (
 from kmesh.state.segments import Span, trunk_end
 from kmesh.store import Hit
 from kmesh.vllm.activated import Activation, activation_of
+from kmesh.vllm.page_tails import TailHit
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class Tracked:
 
     tenant: str | None
     params: KMeshParams | None
+    prompt_ids: Sequence[int]
     keys: list[BlockHash]  # chained keys of the prompt's full blocks
     trunk_blocks: int  # the family's pinned blocks: keys[:trunk_blocks]
     spans: list[Span]  # its segments' token ranges (empty without segments)
@@ -46,6 +49,10 @@ class Tracked:
     running: bool = False
     activation: Activation | None = None  # under an activated adapter (kmesh/vllm/activated.py)
     filling_base: bool = False  # its rows before the activation start are claimed
+    takes_tails: bool = False  # files and takes kept page tails (tail_claims.py)
+    tail: TailHit | None = None  # the kept tail its claim reaches
+    tail_tokens: int = 0  # rows copied from a kept tail
+    tail_block_id: int | None = None  # the block they were copied into
 
 
 class RequestTracker:
@@ -73,7 +80,17 @@ class RequestTracker:
         extend_adapter_block_keys(keys, base, adapted, prompt, self.block_size, start)
         spans = [] if params is None else self._spans(request, params)
         trunk = self._trunk_blocks(params, spans, len(keys))
-        return Tracked(request.cache_salt, params, keys, trunk, spans, activation=activation)
+        plain = lora is None and (params is None or (params.recovery is None and params.page_tails))
+        return Tracked(
+            request.cache_salt,
+            params,
+            prompt,
+            keys,
+            trunk,
+            spans,
+            activation=activation,
+            takes_tails=plain,
+        )
 
     def _spans(self, request: Any, params: KMeshParams) -> list[Span]:
         """The segments' token ranges, if they spell the prompt; else none (all computed)."""

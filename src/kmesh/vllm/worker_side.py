@@ -1,8 +1,9 @@
 """The connector's worker half: copies whole blocks (its layers' pages in layer order; the bytes
 moved by store/tensors.py) between the store's shared memory and vLLM's paged KV cache, fills the
-rows of recovered tokens (kmesh/recovery/requests.py) and keeps finished requests' generated rows
+rows of recovered tokens (kmesh/recovery/requests.py), keeps finished requests' generated rows
 as output segments for later recoveries (`keep_output`; their blocks are freed once it has read
-them). It never claims or commits; see metadata.py.
+them), and keeps the page tails the scheduler half files, copying them into the requests that
+claim them (tail_claims.py). It never claims or commits; see metadata.py.
 
 Recovery runs KMesh's layerwise executor on vLLM's own loaded model. vLLM hands a connector no
 model, so it is attached from outside: KMesh's worker class (kmesh/vllm/worker.py, vLLM's
@@ -26,7 +27,13 @@ from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.shared.state import shared_through
 from kmesh.store.tensors import segment_tensor, write_tensors
 from kmesh.vllm.layout import BlockLayout
-from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata, TenantKey
+from kmesh.vllm.metadata import (
+    CopyTail,
+    KeepTail,
+    KMeshConnectorMetadata,
+    KMeshWorkerMetadata,
+    TenantKey,
+)
 from kmesh.vllm.pages import Pages
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,7 @@ class WorkerSide:
         self._saved: dict[TenantKey, int | None] = {}
         self._recovered: dict[str, RecoveryReport] = {}
         self._kept: set[str] = set()  # requests whose output was read: their blocks may go
+        self._tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k, v of kept tails
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = [kv_caches[name] for name in self.layout.layer_names]
@@ -100,6 +108,43 @@ class WorkerSide:
                 self._recovery.segments.keep_output(out.tenant, out.token_ids, k, v, out.start)
             except Exception as error:  # a kept output is an optimisation: never fatal
                 log.warning("kmesh: output of %s not kept: %s", out.request_id, error)
+
+    def keep_tails(self, keeps: list[KeepTail]) -> None:
+        """Read page tails' rows from the requests' pages, exact in the cache's dtype. A tail
+        whose pages had a load error this step is not kept (its rows would be wrong); a later
+        copy of it then fails, and vLLM computes those rows."""
+        for keep in keeps:
+            written = keep.block_ids[: blocks_for(keep.end, self.layout.block_size)]
+            if self._pages is None or not self._load_errors.isdisjoint(written):
+                continue
+            try:
+                positions = torch.arange(keep.start, keep.end)
+                self._tails[keep.tail_id] = self._pages.read(keep.block_ids, positions)
+            except Exception as error:  # a kept tail is an optimisation: never fatal
+                log.warning("kmesh: page tail %d not kept: %s", keep.tail_id, error)
+
+    def copy_tails(self, copies: list[CopyTail], attention_layers: dict[str, Any]) -> None:
+        """Write kept tails' rows into the requests that claimed them (before the forward pass);
+        a tail not held or not written is a load error: vLLM computes those blocks."""
+        block = self.layout.block_size
+        for copy in copies:
+            rows = self._tails.get(copy.tail_id)
+            try:
+                if rows is None or self._pages is None:
+                    raise KeyError(f"page tail {copy.tail_id} is not held")
+                count = copy.end - copy.start
+                k, v = rows[0][:, :count], rows[1][:, :count]
+                positions = torch.arange(copy.start, copy.end)
+                self._pages.write(copy.block_ids, positions, k, v, attention_layers)
+            except Exception as error:
+                log.warning("kmesh: page tail not copied, vLLM computes its rows: %s", error)
+                self._load_errors.update(
+                    copy.block_ids[copy.start // block : blocks_for(copy.end, block)]
+                )
+
+    def drop_tails(self, tail_ids: list[int]) -> None:
+        for tail_id in tail_ids:
+            self._tails.pop(tail_id, None)
 
     def take_kept(self) -> set[str]:
         """The requests whose output was read since the last call (each finished in the step
