@@ -9,7 +9,8 @@ pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
 
 def test_every_strategy_computes_the_context_at_least_once_and_kmesh_samples_as_independent():
-    # A 100-token trunk: three whole 32-token pages and a partial one each branch recomputes.
+    # A 100-token trunk: three whole 32-token pages and a partial one, which each branch of
+    # plain vLLM recomputes.
     cfg = ForkBenchConfig(mode="tree", branches=2, trunk_tokens=100, branch_tokens=8)
     report = run_vllm_fork_bench(cfg, progress=lambda _: None)
     ideal = ideal_prompt_tokens(cfg)
@@ -22,3 +23,9 @@ def test_every_strategy_computes_the_context_at_least_once_and_kmesh_samples_as_
         assert row["computed_prompt_tokens"] == row["prompt_tokens"] - row["cached_tokens"] + 16
         assert row["cached_tokens"] >= 96  # the trunk's whole pages, at least once
     assert report["kmesh_leaves_identical_to_independent"] == 1.0  # same seeds, exact cache
+    # kmesh's branches take the fork point's partly used page from the page tail the first
+    # branch (or the node that generated it) left: each computes only its prompt's last token,
+    # the second node and the four leaves one token each.
+    assert report["strategies"]["kmesh"]["computed_prompt_tokens"] == ideal + 1 + 4
+    for name in ("independent", "vllm_n"):  # plain vLLM: the partial page again per branch
+        assert report["strategies"][name]["computed_prompt_tokens"] > ideal + 1 + 4

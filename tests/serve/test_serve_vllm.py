@@ -246,7 +246,10 @@ def test_n_branches_reuse_the_first_ones_prompt_blocks(answers, engine):
     assert len(texts) == 3 and len(set(texts)) == 1  # greedy: the same completion thrice
     stats = body["kmesh"]
     assert stats["branches"] == 3
-    assert stats["reused_tokens"] >= 2 * (body["usage"]["prompt_tokens"] // 32 - 1) * 16
+    prompt = body["usage"]["prompt_tokens"]
+    assert stats["reused_tokens"] >= 2 * (prompt // 32 - 1) * 16
+    if engine == "vllm":  # the later two take the first one's page tail: only their last token
+        assert stats["reused_tokens"] >= 2 * (prompt - 1)
 
 
 @pytest.mark.parametrize("engine", ["vllm", "reference"])

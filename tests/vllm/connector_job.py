@@ -91,6 +91,8 @@ def with_connector(store: str, lora: dict, options: dict) -> dict[str, Any]:
     }
     llm.reset_prefix_cache()
     result["restored"] = run("a")
+    llm.reset_prefix_cache(reset_connector=True)  # the connector's page tails go too
+    result["restored_without_tails"] = run("a")
     result["salt"] = [run("a", salt="A"), run("a", salt="B"), run("a", salt="A")]
     result["lora"] = [run("a", adapter="x"), run("a", adapter="y"), run("a", adapter="x")]
     full = {"recovery": {"policy": "full"}}

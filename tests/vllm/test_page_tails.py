@@ -52,6 +52,14 @@ def test_a_tail_extending_a_kept_one_replaces_it_and_a_covered_one_is_not_filed(
     assert tails.held_bytes == 3 * ROW
 
 
+def test_clearing_drops_every_tail():
+    tails = PageTails(ROW)
+    kept = [tails.file(A, 8, [*PREFIX, 1]), tails.file(B, 8, [*PREFIX, 2])]
+    tails.clear()
+    assert sorted(tails.take_dropped()) == kept and tails.held_bytes == 0
+    assert tails.find(A, [*PREFIX, 1, 2], 8, 10) is None
+
+
 def test_past_its_budget_the_least_recently_used_tail_is_dropped():
     tails = PageTails(ROW, budget_bytes=5 * ROW)
     old = tails.file(A, 8, [*PREFIX, 1, 2])

@@ -2,8 +2,9 @@
 
 vLLM with KMeshConnector and the reference engine serve the same declarations (kmesh/recovery/
 requests.py), so both request-level benches (the vLLM bench, the closed loop) send these:
-- full: no kmesh object, a salt of its own per prompt (no prefix hit): vanilla full prefill;
-- prefix: no kmesh object, no salt: vanilla prefix caching;
+- full: a salt of its own per prompt (no prefix hit): vanilla full prefill;
+- prefix: no salt: vanilla prefix caching;
+  (both turn off KMeshConnector's page tails, `page_tails: false`, to stay vanilla vLLM's);
 - per_request: the prompt's segments and a recovery policy (stored segment KV reused per request),
   every turn keeping its output (`keep_output`): the next round's readers start from the outputs'
   author KV, as in the reference bench;
@@ -22,6 +23,8 @@ from kmesh.state.segments import Segment
 from kmesh.workloads.allgather import AgentTurn, output_segment_id
 
 FAMILY = "allgather"
+# The vanilla strategies' kmesh object: vLLM's own whole-page prefix caching, nothing more.
+VANILLA = {"page_tails": False}
 
 
 def strategy_request(
@@ -30,9 +33,9 @@ def strategy_request(
     """(cache salt, kmesh object or None) of one agent turn under strategy `name`; `variant`
     keeps a run's salts apart from another run's."""
     if name == "full":
-        return f"full:{r}:{turn.agent}{variant}", None
+        return f"full:{r}:{turn.agent}{variant}", dict(VANILLA)
     if name == "prefix":
-        return None if not variant else f"prefix{variant}", None
+        return None if not variant else f"prefix{variant}", dict(VANILLA)
     salt = f"kmesh-approx:{name}{variant}"
     keep = {"keep_output": True} if name == "per_request" else {}
     segments = [_segment_spec(s) for s in turn.prompt.segments]

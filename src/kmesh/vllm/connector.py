@@ -15,7 +15,8 @@ request's output carries `kv_transfer_params["kmesh"]` = {prompt_tokens, reused_
 restored_tokens, recovered_tokens, computed_tokens, family, `recovery` when asked, and
 `kept_output_tokens` when it kept its output (its blocks are then freed a step later, once the
 worker half has read its generated rows)}; `reused_tokens` counts vLLM's prefix-cache hit and the
-rows copied from a page tail an earlier request of this engine left (tail_claims.py). The same
+rows copied from a page tail an earlier request of this engine left (tail_claims.py), those also
+as `page_tail_tokens` when there are any. The same
 counts, summed, reach vLLM's /metrics (metrics.py).
 """
 
@@ -152,6 +153,12 @@ class KMeshConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         delay_free, stats = self._scheduler_side.request_finished(request, block_ids)
         return delay_free, {KMESH_PARAMS_KEY: stats}
+
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: the page tails go (they extend
+        this engine's prefix cache below the page); the store is shared and stays."""
+        self._scheduler_side.tails.clear()
+        return True
 
     # -- metrics (kmesh/vllm/metrics.py) -------------------------------------------------
 

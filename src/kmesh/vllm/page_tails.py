@@ -108,6 +108,11 @@ class PageTails:
             self._drop(next(iter(self._tails)))
         return tail.tail_id
 
+    def clear(self) -> None:
+        """Drop every tail."""
+        for tail_id in list(self._tails):
+            self._drop(tail_id)
+
     def take_dropped(self) -> list[int]:
         """The tails dropped since the last call (the worker frees their rows)."""
         dropped, self._dropped = self._dropped, []

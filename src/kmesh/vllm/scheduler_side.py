@@ -241,6 +241,8 @@ class SchedulerSide:
             stats["recovery"] = tracked.recovery
         elif tracked.recovered_tokens:
             self._finishing[request.request_id] = stats  # its report comes in this same step
+        if tracked.tail_tokens:
+            stats["page_tail_tokens"] = tracked.tail_tokens  # of reused_tokens
         if kept_output:
             stats["kept_output_tokens"] = len(self._outputs[-1].token_ids)
         self._finished.append((stats, len(request.output_token_ids)))

@@ -92,6 +92,10 @@ class TailClaims:
         meta.finished_tails, self._finished_tails = self._finished_tails, []
         meta.dropped_tails = self.tails.take_dropped()
 
+    def clear(self) -> None:
+        """Drop every tail (the worker frees their rows in the next step)."""
+        self.tails.clear()
+
     def load_failed(self, tracked: Tracked, block_ids: set[int]) -> None:
         if tracked.tail_block_id in block_ids:
             tracked.tail_tokens, tracked.tail_block_id = 0, None
