@@ -544,6 +544,7 @@ def tail_side(tmp_path) -> SchedulerSide:
     """A scheduler side without a store (tails are this engine's own)."""
     scheduler = SchedulerSide(str(tmp_path / "none.sock"), LAYOUT, "m")
     scheduler.bind_block_ids(lambda request_id: ([3, 4, 5],))
+    scheduler.tails.bind_block_pool(lambda block_id: True)  # every freed block stays free
     return scheduler
 
 
@@ -604,6 +605,17 @@ def test_adapter_and_recovering_requests_file_no_tails(tmp_path, kwargs):
     req = request("req", **kwargs)
     scheduler.get_num_new_matched_tokens(req, 0)
     assert scheduler.build_connector_meta(prompt_step(req)).prompt_tails == []
+
+
+def test_a_finished_requests_tail_is_dropped_when_the_next_step_took_its_block(tmp_path):
+    scheduler = tail_side(tmp_path)
+    scheduler.tails.bind_block_pool(lambda block_id: block_id != 6)  # block 6 allocated again
+    parent = finished_generating("parent", [7, 8, 9])  # its last page: rows [12, 13) in block 6
+    scheduler.get_num_new_matched_tokens(parent, 0)
+    scheduler.request_finished(parent, [3, 4, 5, 6])
+    assert scheduler.build_connector_meta(NOTHING_SCHEDULED).finished_tails == []
+    turn = request("turn", prompt=[*PROMPT, 7, 8, 9, 20, 21])
+    assert scheduler.get_num_new_matched_tokens(turn, 12) == (0, False)
 
 
 def test_a_tail_the_worker_could_not_copy_is_computed_by_vllm(tmp_path):

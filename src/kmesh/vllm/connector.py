@@ -77,7 +77,7 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         worker, metadata = self._worker_side, self._metadata
-        # First of all: nothing has been written into the finished requests' freed blocks yet.
+        # Before this step's copies read them (their freed blocks are free all this step).
         worker.keep_tails(metadata.finished_tails)
         worker.keep_outputs(metadata)  # before this step's recoveries read them
         worker.copy_tails(metadata.tail_copies, forward_context.no_compile_layers)
@@ -123,6 +123,10 @@ class KMeshConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler_side.bind_block_ids(kv_cache_manager.get_block_ids)
+        pool = kv_cache_manager.block_pool
+        self._scheduler_side.tails.bind_block_pool(
+            lambda block_id: pool.blocks[block_id].ref_cnt == 0
+        )
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int

@@ -76,7 +76,7 @@ class KMeshConnectorMetadata(KVConnectorMetadata):
     recoveries: list[RecoveryJob] = field(default_factory=list)
     outputs: list[KeepOutput] = field(default_factory=list)
     tail_copies: list[CopyTail] = field(default_factory=list)  # before the forward pass
-    # Of requests finished last step: read from their freed blocks before anything is written.
+    # Of requests finished last step: read from their freed blocks, which this step left free.
     finished_tails: list[KeepTail] = field(default_factory=list)
     prompt_tails: list[KeepTail] = field(default_factory=list)  # after it
     dropped_tails: list[int] = field(default_factory=list)  # after it

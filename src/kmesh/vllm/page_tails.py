@@ -98,28 +98,31 @@ class PageTails:
                 self._tails.move_to_end(tail_id)
                 return None
             if tokens[: len(held.token_ids)] == held.token_ids:
-                self._drop(tail_id)
+                self.drop(tail_id)
         tail = Tail(self._next_id, anchor, start, tokens)
         self._next_id += 1
         self._tails[tail.tail_id] = tail
         self._by_anchor.setdefault(anchor, []).append(tail.tail_id)
         self._bytes += rows * self.row_bytes
         while self._bytes > self.budget_bytes:
-            self._drop(next(iter(self._tails)))
+            self.drop(next(iter(self._tails)))
         return tail.tail_id
 
     def clear(self) -> None:
         """Drop every tail."""
         for tail_id in list(self._tails):
-            self._drop(tail_id)
+            self.drop(tail_id)
 
     def take_dropped(self) -> list[int]:
         """The tails dropped since the last call (the worker frees their rows)."""
         dropped, self._dropped = self._dropped, []
         return dropped
 
-    def _drop(self, tail_id: int) -> None:
-        tail = self._tails.pop(tail_id)
+    def drop(self, tail_id: int) -> None:
+        """Forget a tail (the worker frees its rows); no-op for one already gone."""
+        tail = self._tails.pop(tail_id, None)
+        if tail is None:
+            return
         ids = self._by_anchor[tail.anchor]
         ids.remove(tail_id)
         if not ids:

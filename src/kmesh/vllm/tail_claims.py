@@ -3,11 +3,12 @@ request of this engine computed, claimed after vLLM's local hit (and the store's
 copied by the worker half from the tail it keeps (page_tails.py has the index and its invariants).
 
 - When a request's prompt has been computed (the step that computes its last prompt token), the
-  rows of its last page are filed; the worker reads them after that step's forward pass. When a
-  request finishes, the rows of its last page past its prompt are filed; the worker reads them
-  from the blocks vLLM has just freed, first thing in the next step, before that step writes
-  anything (a step's loads, copies and forward pass come after). That needs steps that run one
-  after another: under vLLM's asynchronous scheduling (never on CPU) finished requests file none.
+  rows of its last page are filed; the worker reads them after that step's forward pass.
+- When a request finishes, the rows of its last page past its prompt are filed; the worker
+  reads them from the block vLLM has just freed, during the next step, if that step's
+  scheduling left the block free (so nothing writes it in that step: vLLM writes only blocks it
+  allocated); if it did not, the tail is dropped. That needs steps that run one after another:
+  under vLLM's asynchronous scheduling (never on CPU) finished requests file none.
 - A later request takes the rows its tokens share with a filed tail right after its hits, up to
   its prompt's last token: a fork's branches then compute only that token, and a continuation
   only what its parent did not compute.
@@ -16,6 +17,7 @@ copied by the worker half from the tail it keeps (page_tails.py has the index an
 - A tail the worker could not copy comes back as a load error; vLLM computes those rows.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 from kmesh.state.keys import BlockHash, KeyNamespace, block_key, extend_block_keys
@@ -40,6 +42,11 @@ class TailClaims:
         self._copies: list[CopyTail] = []
         self._prompt_tails: list[KeepTail] = []
         self._finished_tails: list[KeepTail] = []
+        self._block_is_free: Callable[[int], bool] = lambda block_id: False
+
+    def bind_block_pool(self, block_is_free: Callable[[int], bool]) -> None:
+        """Whether a block of vLLM's KV cache is free (held by no request) now."""
+        self._block_is_free = block_is_free
 
     def claim(self, request: Any, tracked: Tracked, start: int) -> int:
         """Rows a kept tail gives `request` from `start` (a page start: the end of its hits) up to
@@ -89,7 +96,12 @@ class TailClaims:
         """Hand this step's copies, keeps and drops to the worker."""
         meta.tail_copies, self._copies = self._copies, []
         meta.prompt_tails, self._prompt_tails = self._prompt_tails, []
-        meta.finished_tails, self._finished_tails = self._finished_tails, []
+        for keep in self._finished_tails:  # the freed block, unless this step took it again
+            if self._block_is_free(keep.block_ids[keep.start // self.block_size]):
+                meta.finished_tails.append(keep)
+            else:
+                self.tails.drop(keep.tail_id)
+        self._finished_tails = []
         meta.dropped_tails = self.tails.take_dropped()
 
     def clear(self) -> None:
