@@ -18,7 +18,9 @@ def report() -> dict:
 
 def test_the_trunk_is_computed_once_across_instances(report):
     assert report["vanilla"]["trunk_computations"] == 2.0
-    assert report["kmesh"]["trunk_computations"] == 1.0
+    # Once; page tails (kmesh/vllm/tail_claims.py) may also give a request the first suffix
+    # rows an earlier request on its instance shares with it ("#"): then just under 1.
+    assert 0.99 <= report["kmesh"]["trunk_computations"] <= 1.0
     assert report["kmesh"]["restored_tokens"] >= TRUNK  # the other instance restored it
     for run in ("vanilla", "kmesh"):
         r = report[run]
