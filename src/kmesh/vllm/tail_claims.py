@@ -27,6 +27,9 @@ from kmesh.vllm.tracked import Tracked
 
 
 class TailClaims:
+    """The scheduler half's page tails: what it files, what requests claim, what the worker
+    keeps, copies and drops each step (`take`)."""
+
     def __init__(
         self,
         fingerprint: str,
@@ -82,8 +85,8 @@ class TailClaims:
             self._prompt_tails.append(KeepTail(tail_id, block_ids, start, end))
 
     def finished(self, request: Any, tracked: Tracked, block_ids: list[int]) -> None:
-        """File the last page of a finished request's computed rows past its prompt (its
-        blocks, freed now, are read first thing in the next step)."""
+        """File the last page of a finished request's computed rows past its prompt (read from
+        its freed block in the next step, if that step leaves the block free: `take`)."""
         computed = request.num_computed_tokens
         if not self.finished_tails or computed <= len(tracked.prompt_ids):
             return
