@@ -16,8 +16,8 @@ restored_tokens, recovered_tokens, computed_tokens, family, `recovery` when aske
 `kept_output_tokens` when it kept its output (its blocks are then freed a step later, once the
 worker half has read its generated rows)}; `reused_tokens` counts vLLM's prefix-cache hit and the
 rows copied from a page tail an earlier request of this engine left (tail_claims.py), those also
-as `page_tail_tokens` when there are any. The same
-counts, summed, reach vLLM's /metrics (metrics.py).
+as `page_tail_tokens` when there are any. The same counts, summed, reach vLLM's /metrics
+(metrics.py).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -63,8 +63,8 @@ class KMeshConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             unavailable = recovery_unavailable(vllm_config.parallel_config, layout)
             model = vllm_config.model_config.model
-            # A finished request's page tail is read from its freed blocks in the next step,
-            # before anything is written into them: only when steps run one after another.
+            # A finished request's page tail is read from its freed block in the next step, if
+            # that step left the block free: only when steps run one after another.
             finished_tails = not vllm_config.scheduler_config.async_scheduling
             self._scheduler = SchedulerSide(store, layout, model, unavailable, finished_tails)
         else:
