@@ -94,6 +94,9 @@ def test_a_waiting_client_learns_promptly_that_the_store_died(store):
     assert isinstance(error, StoreUnavailable)
     with pytest.raises(StoreUnavailable):
         leader.publish(keys[0], payload_for(keys[0]))
+    # The dying process closes its sockets one by one and may be preempted in between (the
+    # listener last): only once it is reaped is the socket surely gone.
+    store.process.wait(10)
     with pytest.raises(StoreUnavailable):
         store.client()
 
