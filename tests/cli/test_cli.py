@@ -4,6 +4,8 @@ Python start and torch import per case)."""
 
 import json
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -22,6 +24,18 @@ def kmesh_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tup
     finally:
         signal.signal(signal.SIGTERM, sigterm)
     return status, capsys.readouterr().err
+
+
+def test_parsing_any_command_imports_neither_torch_nor_an_engine():
+    # Every store and server the benches and tests start is a `kmesh` process: its parser (all
+    # commands' flags and defaults) must not cost a torch import (about 1.3 s here).
+    probe = (
+        "import sys; from kmesh.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.model

@@ -56,7 +56,7 @@ def _bench_lora(args: argparse.Namespace) -> None:
 
 
 def register(benches: Commands) -> None:
-    from kmesh.recovery.adapter_residual import DEFAULT_CHECK_TOKENS, DEFAULT_MAX_DEVIATION
+    from kmesh.recovery.residual_defaults import DEFAULT_CHECK_TOKENS, DEFAULT_MAX_DEVIATION
 
     lora = benches.add_parser(
         "lora",

@@ -86,6 +86,21 @@ class Master:
             positions[first : first + count] = start + offsets
         return positions
 
+    def segments(self) -> list[MasterSegment]:
+        """Each segment's rows without their blocks' padding (views of `blocks`): what `build`
+        was given, so `Master.build(master.segments(), ...)` gives `master` back bit for bit
+        (padding is zeros)."""
+        out = []
+        for first, length, start in zip(
+            self.segment_first_block, self.segment_lengths, self.segment_starts, strict=True
+        ):
+            count = blocks_for(length, self.block_size)
+            blocks = self.blocks[first : first + count]  # [count, 2, L, bs, H, D]
+            rows = blocks.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :length]
+            positions = torch.arange(start, start + length, device=self.blocks.device)
+            out.append(MasterSegment(rows[0], rows[1], positions))
+        return out
+
     @classmethod
     def build(
         cls,

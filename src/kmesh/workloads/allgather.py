@@ -17,13 +17,14 @@ is deterministic in (model, config) and benchmarks replay exactly the same promp
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kmesh.engine.engine import Engine
-from kmesh.engine.request import Request, SamplingParams
 from kmesh.errors import InvalidRequestError
 from kmesh.state.segments import Role, Segment, SegmentedPrompt
 from kmesh.workloads.chatml import ChatML
+
+if TYPE_CHECKING:  # the reference engine (and torch): only where a caller hands one in
+    from kmesh.engine.engine import Engine
 
 ORDERS = ("same", "rotate", "shuffle")
 
@@ -193,11 +194,13 @@ class Council:
 
 def generate_trace(
     cfg: AllGatherConfig,
-    engine: Engine,
+    engine: "Engine",
     tokenizer: Any,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[AgentTurn]:
     """Run the council with the engine: every round's prompts, then every agent's output."""
+    from kmesh.engine.request import Request, SamplingParams
+
     council = Council(cfg, tokenizer)
     params = SamplingParams(max_tokens=cfg.output_tokens)
     turns: list[AgentTurn] = []

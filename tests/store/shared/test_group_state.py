@@ -16,6 +16,7 @@ from kmesh.store.shared.group_state import (
     read_piece,
     restore_piece,
 )
+from kmesh.store.tensors import write_tensors
 from tests.store.helpers import corrupt_segment
 
 CONFIG = ModelConfig.from_hf(TINY_HF_CONFIG)
@@ -73,6 +74,19 @@ def test_a_piece_refuses_to_restore_against_another_master():
         restore_piece(piece, other, CONFIG)
     with pytest.raises(PieceMismatch, match="need their master"):
         restore_piece(piece, None, CONFIG)
+
+
+def test_a_master_entry_holds_its_rows_without_the_blocks_padding_and_reads_back_whole():
+    master = _master([5, 16, 23])  # blocks of 8: 3 + 5 + 1 padding rows
+    size, tensors, header = master_payload(master)
+    row_bytes = 2 * LAYERS * HEADS * DIM * 4
+    assert size == len(header) + (5 + 16 + 23) * row_bytes < master.nbytes
+    data = memoryview(bytearray(size))
+    data[: len(header)] = header
+    write_tensors(data[len(header) :], tensors)
+    read = read_master(data, CONFIG)
+    assert torch.equal(read.blocks, master.blocks)
+    assert master_fields(read) == master_fields(master)
 
 
 def master_fields(master: Master) -> tuple:

@@ -11,7 +11,8 @@ rows [start, end) of that transcript, keyed like exact blocks through their pare
   recomputed) and the master's key; rows no mirror covers are dense in it.
 Masters are entries of their own, one per round, read by every member's mirrored pieces, and by
 engines that recover a round's siblings (masters.py::StoreMasters: a round spread over
-several engines mirrors the master the first of them built).
+several engines mirrors the master the first of them built). A master entry holds its segments'
+rows packed, without the padding of their last blocks; reading it lays them out in blocks again.
 
 `restore_piece` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate,
 scatter the diff) for each mirror, and the dense rows placed; it checks the rows against the
@@ -33,7 +34,7 @@ import msgspec
 import torch
 
 from kmesh.compute.config import ModelConfig
-from kmesh.kv.master_mirror import Master, Mirror, kv_digest, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest, restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
@@ -42,7 +43,7 @@ from kmesh.store.tensors import segment_tensor, write_tensors
 _HEADER = struct.Struct("<I")
 # (size in bytes, the tensors in order, the header bytes before them)
 Payload = tuple[int, list[torch.Tensor], bytes]
-_FORMAT = 1
+_FORMAT = 2
 T = TypeVar("T")
 
 
@@ -162,13 +163,19 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def master_payload(master: Master) -> Payload:
+    """The master's segments' rows, packed: its blocks' padding is not stored (read_master
+    pads them again)."""
+    segments = master.segments()
     head = {
         "segment_lengths": master.segment_lengths,
-        "segment_first_block": master.segment_first_block,
         "segment_starts": master.segment_starts,
         "block_size": master.block_size,
     }
-    return _payload("master", head, {"blocks": master.blocks})
+    rows = {
+        "k": torch.cat([s.k for s in segments], dim=1),  # [L, T, H, D], canonical order
+        "v": torch.cat([s.v for s in segments], dim=1),
+    }
+    return _payload("master", head, rows)
 
 
 def piece_payload(piece: Piece) -> Payload:
@@ -200,14 +207,20 @@ def segment_payload(segment: SegmentKV) -> Payload:
 
 def read_master(data: memoryview, config: ModelConfig) -> Master:
     head, tensors = _unpack("master", data)
-    return Master(
-        tensors["blocks"],
-        tuple(head["segment_lengths"]),
-        tuple(head["segment_first_block"]),
-        tuple(head["segment_starts"]),
-        head["block_size"],
-        config,
-    )
+    k, v = tensors["k"], tensors["v"]
+    lengths = [int(n) for n in head["segment_lengths"]]
+    if len(lengths) != len(head["segment_starts"]) or sum(lengths) != k.shape[1]:
+        raise StoreError(f"not a master entry of format {_FORMAT}: its rows and lengths differ")
+    segments = [
+        MasterSegment(k_rows, v_rows, torch.arange(start, start + k_rows.shape[1]))
+        for k_rows, v_rows, start in zip(
+            k.split(lengths, dim=1), v.split(lengths, dim=1), head["segment_starts"], strict=True
+        )
+    ]
+    try:
+        return Master.build(segments, head["block_size"], config)
+    except ValueError as error:
+        raise StoreError(f"not a master entry of format {_FORMAT}: {error}") from None
 
 
 def read_segment(data: memoryview) -> SegmentKV:
