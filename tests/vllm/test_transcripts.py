@@ -4,7 +4,12 @@ member's transcript as it recovers it (store/shared/transcripts.py); store A wri
 the remote tier (Mooncake Store); instance B, started fresh on store B, serves the member's next
 round from it. The engines run in one child process (transcript_job.py)."""
 
+import json
+
 import pytest
+
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.loader import resolve_model_dir
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
@@ -21,7 +26,12 @@ def test_the_second_instance_restores_the_transcript_and_computes_the_instructio
     assert got["reused_tokens"] == 0  # a fresh instance: nothing in its prefix cache
     # Every row before the instruction came from the store (A's pieces, checked by digest) ...
     before_instruction = job_result["prompt_tokens"] - job_result["instruction_tokens"]
-    assert report["restored_tokens"] == before_instruction and report["restored_bytes"] > 0
+    assert report["restored_tokens"] == before_instruction
+    # Read: its pieces and the two rounds' masters, no more than 1.1x the rows' dense bytes
+    # (float32 K and V of every layer); a master entry holds no block padding.
+    config = ModelConfig.from_hf(json.loads((resolve_model_dir(None) / "config.json").read_text()))
+    dense = before_instruction * 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    assert dense <= report["restored_bytes"] <= 1.1 * dense
     # ... so KMesh computed the instruction but its last token, which vLLM computes.
     assert report["computed_tokens"] == job_result["instruction_tokens"] - 1
     assert got["computed_tokens"] == 1
