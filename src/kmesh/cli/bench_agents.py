@@ -2,8 +2,8 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_report_option, agent_counts, config_from_args, emit_report
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.bench_common import add_bench_options, agent_counts, config_from_args, emit_report
+from kmesh.cli.common import Commands
 
 
 def _bench_agents(args: argparse.Namespace) -> None:
@@ -95,6 +95,4 @@ def register(benches: Commands) -> None:
         action="store_true",
         help="skip sending kmesh_exact's calls again one at a time",
     )
-    add_report_option(agents, plot="makespan and TTFT p99")
-    add_model_option(agents)
-    agents.set_defaults(func=_bench_agents)
+    add_bench_options(agents, _bench_agents, plot="makespan and TTFT p99")

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kmesh.cli.bench_common import add_report_option, agent_counts, write_json
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.bench_common import add_bench_options, agent_counts, write_json
+from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
@@ -214,9 +214,7 @@ def register(benches: Commands) -> None:
         help="also run each strategy's council on its own generated outputs and compare them "
         "with full prefill's (bench/closed_loop.py)",
     )
-    add_report_option(gather)
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
-    add_model_option(gather)
     gather.add_argument(
         "--engine",
         choices=["reference", "vllm"],
@@ -230,4 +228,4 @@ def register(benches: Commands) -> None:
         help="--engine vllm: vLLM's page size in tokens (a multiple of 32; default "
         "kmesh.vllm.config.DEFAULT_BLOCK_SIZE)",
     )
-    gather.set_defaults(func=_bench_allgather)
+    add_bench_options(gather, _bench_allgather)

@@ -2,8 +2,8 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.common import Commands
 
 
 def _bench_capacity(args: argparse.Namespace) -> None:
@@ -63,6 +63,4 @@ def register(benches: Commands) -> None:
         default=(),
         help="a subset, vanilla included: vanilla,vanilla_offload,kmesh_dense,kmesh,kmesh_lru",
     )
-    add_model_option(capacity)
-    add_report_option(capacity, plot="computed tokens vs agents")
-    capacity.set_defaults(func=_bench_capacity)
+    add_bench_options(capacity, _bench_capacity, plot="computed tokens vs agents")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kmesh.cli.common import add_model_option
 from kmesh.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -17,12 +18,21 @@ if TYPE_CHECKING:
 Config = TypeVar("Config", bound="DataclassInstance")
 
 
-def add_report_option(parser: argparse.ArgumentParser, plot: str | None = None) -> None:
-    """--json: where a bench writes its report (required); with `plot` (what its plot draws),
-    --plot too: where `emit_report` draws it (optional)."""
+def add_bench_options(
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], None],
+    plot: str | None = None,
+    model: bool = True,
+) -> None:
+    """What every bench command ends with: --json, where it writes its report (required); with
+    `plot` (what its plot draws), --plot too, where `emit_report` draws it (optional); --model
+    unless `model` is False; `run` as its handler."""
     parser.add_argument("--json", required=True, help="where to write the report")
     if plot is not None:
         parser.add_argument("--plot", default=None, help=f"where to draw {plot}")
+    if model:
+        add_model_option(parser)
+    parser.set_defaults(func=run)
 
 
 def agent_counts(text: str | None, flag: str = "--scale", minimum: int = 2) -> list[int]:
@@ -67,7 +77,7 @@ def emit_report(
     plot: Callable[[dict[str, Any], Path], None] | None = None,
 ) -> None:
     """Print a bench's table, write its JSON to --json and, for a bench with a `plot` (and so a
-    --plot option: `add_report_option`), draw it to --plot if given."""
+    --plot option: `add_bench_options`), draw it to --plot if given."""
     from kmesh.bench.common import report_console
 
     print_report(result, report_console())

@@ -2,8 +2,8 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
@@ -37,11 +37,9 @@ def register(benches: Commands) -> None:
         default="0.3",
         help="kmesh serve --reuse-ratio values to run, comma-separated (default 0.3)",
     )
-    add_report_option(council, plot="computed tokens per round")
-    add_model_option(council)
     council.add_argument(
         "--client-python",
         default=None,
         help="Python of a venv with clients/autogen.txt (default: .venv-clients: make clients)",
     )
-    council.set_defaults(func=_bench_council)
+    add_bench_options(council, _bench_council, plot="computed tokens per round")

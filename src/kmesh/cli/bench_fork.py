@@ -3,8 +3,8 @@ vs fork (bench/fork.py; bench/fork_vllm.py with --engine vllm)."""
 
 import argparse
 
-from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
@@ -55,6 +55,4 @@ def register(benches: Commands) -> None:
         help="cot: trunk tokens generated before forking",
     )
     fork.add_argument("--seed", type=int, default=0)
-    add_report_option(fork)
-    add_model_option(fork)
-    fork.set_defaults(func=_bench_fork)
+    add_bench_options(fork, _bench_fork)

@@ -2,7 +2,7 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
 from kmesh.cli.common import Commands
 
 
@@ -48,5 +48,4 @@ def register(benches: Commands) -> None:
         help="then open this many families and rounds and never close them (RSS figure)",
     )
     load.add_argument("--seed", type=int, default=0)
-    add_report_option(load, plot="RSS and store bytes")
-    load.set_defaults(func=_bench_load)
+    add_bench_options(load, _bench_load, plot="RSS and store bytes", model=False)

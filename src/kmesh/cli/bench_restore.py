@@ -3,8 +3,8 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_report_option, emit_report
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.bench_common import add_bench_options, emit_report
+from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
@@ -43,6 +43,4 @@ def register(benches: Commands) -> None:
         help="local (one store), or local,remote: also two stores in front of a Mooncake Store "
         "master, restoring one machine's blocks on the other (started on loopback ports)",
     )
-    add_report_option(restore)
-    add_model_option(restore)
-    restore.set_defaults(func=_bench_restore)
+    add_bench_options(restore, _bench_restore)

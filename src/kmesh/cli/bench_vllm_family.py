@@ -3,8 +3,8 @@ vanilla vLLM (bench/vllm_family.py)."""
 
 import argparse
 
-from kmesh.cli.bench_common import add_report_option, config_from_args, emit_report
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.common import Commands
 
 
 def _bench_vllm_family(args: argparse.Namespace) -> None:
@@ -27,6 +27,4 @@ def register(benches: Commands) -> None:
     family.add_argument("--requests", type=int, default=8, help="family members, round-robin")
     family.add_argument("--trunk-tokens", type=int, default=2048, help="shared trunk length")
     family.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request")
-    add_report_option(family)
-    add_model_option(family)
-    family.set_defaults(func=_bench_vllm_family)
+    add_bench_options(family, _bench_vllm_family)
