@@ -3,15 +3,19 @@ with stand-in vLLM requests, the worker side against stand-in KV cache tensors."
 
 import functools
 import json
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import ValidationError
 
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.request_meta import KMeshParams, RecoverySpec
 from kmesh.store import StoreClient
 from kmesh.store.segments import write_segment
 from kmesh.vllm import store_side
@@ -22,6 +26,7 @@ from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_c
 from kmesh.vllm.recovery_support import recovery_unavailable
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
+from tests.store.helpers import wait_until
 
 BLOCK = 4
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -233,6 +238,61 @@ def test_past_the_open_family_limit_the_oldest_abandoned_family_is_let_go(store,
             finish(scheduler, member)  # 1 of 4 declared branches: the family stays open
         # f0's trunk (2 blocks) was let go when f2 made three open families; f1's and f2's stay.
         assert client.stats()["pinned"] == 4
+
+
+DECLARED = {"family": "council", "next_use": 5.0, "recovery": {"policy": "full"}}
+
+
+def published(store, count: int) -> list[bytes]:
+    """`count` transcript entries another engine published (unpinned)."""
+    keys = [bytes([i]) * 32 for i in range(1, count + 1)]
+    with StoreClient(store.socket) as client:
+        client.acquire(keys)
+        for key in keys:
+            client.publish(key, b"rows")
+    return keys
+
+
+def test_a_members_transcript_is_pinned_at_its_next_use_until_its_family_closes(store):
+    scheduler = side(store)
+    keys = published(store, 3)
+    member = request("a", kmesh=DECLARED)
+    undeclared = request("b", kmesh={"family": "council", "recovery": {"policy": "full"}})
+    for req in (member, undeclared):
+        scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.pin_transcripts({"a": tuple(keys[:2]), "b": (keys[2],), "gone": (keys[2],)})
+    with StoreClient(store.socket) as client:
+        assert client.stats()["pinned"] == 2  # only the member that declared its next use
+        finish(scheduler, member)
+        assert client.stats()["pinned"] == 2  # the family is open: its next round reads them
+        closing = request("c", kmesh={**DECLARED, "close": True})
+        scheduler.get_num_new_matched_tokens(closing, 0)
+        finish(scheduler, closing)
+        assert client.stats()["pinned"] == 0  # closed early: unpinned at once
+
+
+def test_the_pins_of_an_engine_killed_holding_them_are_released(store):
+    keys = published(store, 2)
+    # An engine's scheduler side in its own process: it pins a member's transcript, then dies.
+    script = (
+        "import os, signal; from types import SimpleNamespace; "
+        "from tests.vllm.test_connector_sides import DECLARED, request, side; "
+        f"scheduler = side(SimpleNamespace(socket={store.socket!r})); "
+        "member = request('a', kmesh=DECLARED); "
+        "scheduler.get_num_new_matched_tokens(member, 0); "
+        f"scheduler.pin_transcripts({{'a': {tuple(keys)!r}}}); print('pinned', flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    engine = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert engine.returncode == -signal.SIGKILL and engine.stdout == "pinned\n", engine.stderr
+    with StoreClient(store.socket) as client:
+        wait_until(lambda: client.stats()["pinned"] == 0, 5, "the dead engine's pins let go")
+
+
+def test_next_use_needs_a_family_and_recovery():
+    for kmesh in ({"next_use": 1.0}, {"family": "f", "next_use": 1.0}):
+        with pytest.raises(ValidationError, match="'next_use' needs a 'family'"):
+            KMeshParams.model_validate(kmesh)
 
 
 APPROXIMATE = {"recovery": {"policy": "kv_deviation", "ratio": 0.3}}

@@ -45,6 +45,13 @@ def test_the_first_instance_reads_nothing_its_own_memory_holds(job_result):
     assert report["restored_tokens"] == report["restored_bytes"] == 0
 
 
+def test_members_pin_their_transcripts_while_their_engine_runs(job_result):
+    # Rounds 2 and 3 declare each member's next use: its pieces and its round's master stay
+    # pinned for the council while instance A runs; A's end lets them go.
+    assert job_result["pinned_while_a_runs"] > 0
+    assert job_result["pinned_after_a_stopped"] == 0
+
+
 def test_another_salt_restores_nothing_of_it(job_result):
     report = job_result["other_salt"]["recovery"]
     assert report["restored_tokens"] == 0 and job_result["other_salt"]["reused_tokens"] == 0

@@ -69,9 +69,13 @@ def main(out_dir: Path) -> None:
         result["prompt_tokens"] = len(last[1].token_ids)
         result["instruction_tokens"] = len(last[1].segments[-1].token_ids)
         [result["first"]] = run(first, 2, last, [1])
+        with StoreClient(stores[0].socket) as client:
+            # The members' transcripts, declared for their next round (`next_use`).
+            result["pinned_while_a_runs"] = client.stats()["pinned"]
         first.llm_engine.engine_core.shutdown()
         del first
         with StoreClient(stores[0].socket) as client:
+            result["pinned_after_a_stopped"] = client.stats()["pinned"]
             while client.stats()["remote_pending"]:  # A's pieces written through
                 time.sleep(0.05)
 

@@ -63,6 +63,8 @@ def strategy_request(
         "family": FAMILY,
         "segments": segments,
         "recovery": {**recovery, "ratio": cfg.agent_ratio, "round": round_},
+        # Its place in the next round: the store keeps its transcript by it.
+        "next_use": float((r + 1) * agents + turn.agent),
     }
 
 

@@ -207,7 +207,7 @@ class RequestFamilies:
         self._tenants: dict[str, set[str | None]] = {}
 
     def pinned(self, family_id: str, tenant: str | None) -> None:
-        """A member pinned the family's trunk under `tenant`."""
+        """A member pinned state for the family under `tenant` (its trunk, its transcript)."""
         self._tenants.setdefault(family_id, set()).add(tenant)
 
     def end_member(self, params: KMeshParams) -> list[EndedFamily]:

@@ -95,12 +95,15 @@ class Continuations:
         pages: PrefixReader,
         write: Writer,
         restored: dict[str, Restored],
-    ) -> None:
-        """Hand the outcome to the engine, then publish the job's transcript from its pages."""
+    ) -> RecoveredRows:
+        """Hand the outcome to the engine, then publish the job's transcript from its pages;
+        the outcome with the keys of its transcript's entries."""
         write(job, outcome)
         got = restored.get(job.request_id)
         if self.transcripts is not None and got is not None and outcome.k is not None:
-            self.transcripts.publish(job, got.chain, pages, outcome.mirrors)
+            keys = self.transcripts.publish(job, got.chain, pages, outcome.mirrors)
+            return replace(outcome, transcript=keys)
+        return outcome
 
     def discard(self, held: HeldTail) -> None:
         """Forget a tail the ledger dropped."""

@@ -101,6 +101,9 @@ class RecoveredRows:
     k: torch.Tensor | None
     v: torch.Tensor | None
     mirrors: RoundMirrors | None = None  # a round job's, for publishing its transcript
+    # Shared-state keys of the entries the job's next prompt reads (its transcript's pieces and
+    # master), once published: what the engine pins for a declared next use.
+    transcript: tuple[bytes, ...] = ()
 
 
 # Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).

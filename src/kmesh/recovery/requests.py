@@ -126,8 +126,8 @@ class RequestRecovery:
             if round_ is None or job.family is None:
                 tails = TailPages(pages)
                 outcome = self._per_request(steps.continued(job, tails, restored), tails)
-                outcomes[job.request_id] = steps.finish(job, outcome, tails, restored)
-                steps.write(job, outcomes[job.request_id], pages, write, restored)
+                outcome = steps.finish(job, outcome, tails, restored)
+                outcomes[job.request_id] = steps.write(job, outcome, pages, write, restored)
             else:
                 rounds.setdefault(RoundKey(job.tenant, job.family, round_.id), []).append(job)
         for key, siblings in rounds.items():
@@ -137,8 +137,7 @@ class RequestRecovery:
                 done = self._round(key, resumed, tails)
                 for job in chunk:
                     outcome = steps.finish(job, done[job.request_id], tails, restored)
-                    outcomes[job.request_id] = outcome
-                    steps.write(job, outcome, pages, write, restored)
+                    outcomes[job.request_id] = steps.write(job, outcome, pages, write, restored)
         return outcomes
 
     # -- per request -----------------------------------------------------------------------

@@ -73,8 +73,9 @@ class SharedTranscripts(Protocol):
 
     def publish(
         self, job: RecoveryJob, chain: Chain, pages: PrefixReader, mirrors: RoundMirrors | None
-    ) -> None:
-        """Publish the job's rows from `chain`'s end on (rows [0, job.end) are in `pages`)."""
+    ) -> tuple[bytes, ...]:
+        """Publish the job's rows from `chain`'s end on (rows [0, job.end) are in `pages`);
+        the keys of the entries its next prompt reads (what a declared next use pins)."""
         ...
 
 

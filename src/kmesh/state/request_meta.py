@@ -131,11 +131,22 @@ class KMeshParams(BaseModel):
     # prefix caching only, e.g. to compare with plain vLLM. The reference engine's prefix reuse
     # is token-granular already and ignores it.
     page_tails: bool = True
+    # When this request's transcript is read again (an ordinal or a time, smaller is sooner: a
+    # round's member its place in the next round): the store entries its recovery restored or
+    # published stay pinned for its family at that date until the family closes, and the
+    # store's future-use retention evicts the furthest date first (coord/future_use.py).
+    # None: published unpinned (least recently used among the undeclared).
+    next_use: float | None = Field(default=None, ge=0.0)
 
     @model_validator(mode="after")
     def _check_references(self) -> "KMeshParams":
         if self.family is None and (self.branches is not None or self.close):
             raise ValueError("'branches' and 'close' need a 'family'")
+        if self.next_use is not None and (self.family is None or self.recovery is None):
+            raise ValueError(
+                "'next_use' needs a 'family' (its pins end when the family closes) and "
+                "'recovery' (what it pins is the transcript recovery restores and publishes)"
+            )
         given = [n for n in ("segments", "separator", "messages") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(f"give one of 'segments', 'separator' and 'messages', not {given}")

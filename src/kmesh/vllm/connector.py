@@ -149,6 +149,7 @@ class KMeshConnector(KVConnectorBase_V1):
         reports = {}
         if isinstance(worker_meta, KMeshWorkerMetadata):
             side.update_connector_output(worker_meta.saved)
+            side.pin_transcripts(worker_meta.transcripts)
             reports = worker_meta.recovered
         side.recovery_reports(reports)
 

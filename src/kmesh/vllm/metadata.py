@@ -86,9 +86,13 @@ class KMeshConnectorMetadata(KVConnectorMetadata):
 class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     saved: dict[TenantKey, int | None] = field(default_factory=dict)
     recovered: dict[str, RecoveryReport] = field(default_factory=dict)  # by request id
+    # By request id: the store keys of its transcript's entries (RecoveredRows.transcript).
+    transcripts: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KMeshWorkerMetadata)
         return KMeshWorkerMetadata(
-            {**self.saved, **other.saved}, {**self.recovered, **other.recovered}
+            {**self.saved, **other.saved},
+            {**self.recovered, **other.recovered},
+            {**self.transcripts, **other.transcripts},
         )

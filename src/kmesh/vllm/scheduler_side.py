@@ -198,6 +198,16 @@ class SchedulerSide:
         """The worker's copies of this step: committed (or abandoned) in the store."""
         self.store.saved(saved)
 
+    def pin_transcripts(self, transcripts: dict[str, tuple[bytes, ...]]) -> None:
+        """The worker published (or restored) these requests' transcripts: pin each for its
+        family at its declared `next_use`, until the family ends. A request without a declared
+        next use, or that finished in the step its recovery ran (its family membership ended
+        with it), pins nothing."""
+        for request_id, keys in transcripts.items():
+            tracked = self._requests.get(request_id)
+            if tracked is not None:
+                self.store.pin_transcript(tracked, keys)
+
     def recovery_reports(self, reports: dict[str, RecoveryReport]) -> None:
         """The worker's reports of this step. vLLM hands them over after it finished this
         step's requests (vllm/v1/core/sched/scheduler.py::update_from_output calls

@@ -11,15 +11,18 @@
 - The blocks no one has, this engine leads: once vLLM has computed one, a segment is reserved, the
   worker copies the block into it, and the checksum it reports is committed (None: abandoned).
 - Families (coord/families.py::RequestFamilies): the trunk's blocks are pinned for the family
-  while it is open here; when it ends, each tenant's pins are closed.
+  while it is open here, and so is a member's transcript (its pieces and its round's master)
+  at the `next_use` the member declared; when the family ends, each tenant's pins are closed.
 Every store failure falls back to vLLM computing the tokens itself.
 """
 
 import logging
+from collections.abc import Sequence
 
 from kmesh.coord.families import RequestFamilies
 from kmesh.store import Acquired, StoreError, StoreRefused
 from kmesh.store.policy import StorePolicy, TenantKey
+from kmesh.store.protocol import MAX_KEYS
 from kmesh.store.segments import encode_meta
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import SaveBlock
@@ -143,6 +146,21 @@ class StoreSide:
 
     def close(self) -> None:
         self.policy.close()
+
+    def pin_transcript(self, tracked: Tracked, keys: Sequence[bytes]) -> None:
+        """Pin a member's transcript entries for its family at its declared next use."""
+        params = tracked.params
+        if params is None or params.family is None or params.next_use is None:
+            return
+        if not self.available:
+            return
+        self.families.pinned(params.family, tracked.tenant)
+        client = self.policy.client(tracked.tenant)
+        try:
+            for lo in range(0, len(keys), MAX_KEYS):
+                client.pin(params.family, keys[lo : lo + MAX_KEYS], params.next_use)
+        except StoreError as error:
+            self.policy.failed(None, error)
 
     def _pin_trunk(self, tracked: Tracked, got: Acquired) -> Acquired:
         """Pin the request's family trunk; `got`, or no hits if the store is gone now."""

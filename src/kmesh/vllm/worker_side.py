@@ -57,6 +57,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._saved: dict[TenantKey, int | None] = {}
         self._recovered: dict[str, RecoveryReport] = {}
+        self._transcripts: dict[str, tuple[bytes, ...]] = {}
         self._kept: set[str] = set()  # requests whose output was read: their blocks may go
         self._tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k, v of kept tails
 
@@ -189,7 +190,9 @@ class WorkerSide:
                 positions = torch.arange(job.start, job.end)
                 pages.write(job.block_ids, positions, outcome.k, outcome.v, attention_layers)
 
-            self._recovery.run(jobs, pages, write)
+            for request_id, outcome in self._recovery.run(jobs, pages, write).items():
+                if outcome.transcript:
+                    self._transcripts[request_id] = outcome.transcript
         except Exception as error:  # recovery must never take the engine down: vLLM computes
             log.warning("kmesh: recovery failed, vLLM computes the claimed tokens: %s", error)
             for job in jobs:
@@ -247,10 +250,10 @@ class WorkerSide:
         return errors
 
     def take_worker_meta(self) -> KMeshWorkerMetadata | None:
-        if not self._saved and not self._recovered:
+        if not self._saved and not self._recovered and not self._transcripts:
             return None
-        meta = KMeshWorkerMetadata(self._saved, self._recovered)
-        self._saved, self._recovered = {}, {}
+        meta = KMeshWorkerMetadata(self._saved, self._recovered, self._transcripts)
+        self._saved, self._recovered, self._transcripts = {}, {}, {}
         return meta
 
     def close(self) -> None:

@@ -19,8 +19,11 @@ candidate ends are its own segment boundaries after the chain's end, inside its 
 Publishing (`publish`, after the job's rows are in the engine's pages): the rows from the chain's
 end to each boundary the job wrote are read back from the pages and published as one piece:
 mirrored (the job's mirrors of its round's master that lie inside it, naming the master's store
-entry: StoreMasters.key) when restoring it gives those rows back, dense otherwise. Pieces are not
-pinned: the store's retention treats them as undeclared (LRU among them).
+entry: StoreMasters.key) when restoring it gives those rows back, dense otherwise. It returns
+the keys of the entries the job's next prompt reads (its chain's pieces and its round's master);
+the engine pins them for the job's family at its declared next use, if it declared one (the
+pins are the scheduler's: they end with the family). Undeclared, pieces are left to the store's
+retention as unpinned entries (LRU among them).
 
 Pieces are served to any job under their tenant's salt, as an engine's prefix cache serves its
 pages: a job's gate judges the rows it recovers, not the rows it restores.
@@ -85,11 +88,15 @@ class StoreTranscripts:
 
     def publish(
         self, job: RecoveryJob, chain: Chain, pages: PrefixReader, mirrors: RoundMirrors | None
-    ) -> None:
+    ) -> tuple[bytes, ...]:
         """Publish the job's rows from `chain`'s end to each of its boundaries it wrote (rows
-        [0, job.end) are in `pages` now)."""
+        [0, job.end) are in `pages` now); the keys of its transcript's entries (`chain`'s
+        pieces, the pieces after it, its round's master)."""
         client = self.clients(job.tenant)
         namespace = self._namespace(job)
+        keys = list(chain.keys)
+        if mirrors is not None:
+            keys.append(self.masters.key(mirrors.round, mirrors.master_choice, mirrors.tokens))
         parent = chain.keys[-1] if chain.keys else None
         start = chain.end
         try:
@@ -99,9 +106,11 @@ class StoreTranscripts:
                 key = piece_key(namespace, parent, job.token_ids[start:end])
                 if client.acquire([key]).lead:
                     self._publish_piece(client, key, job, (start, end), pages, mirrors)
+                keys.append(key)
                 parent, start = key, end
         except StoreError as error:
             log.info("kmesh: transcript of %s not published: %s", job.request_id, error)
+        return tuple(keys)
 
     def _publish_piece(
         self,
