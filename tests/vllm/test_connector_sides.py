@@ -3,9 +3,8 @@ with stand-in vLLM requests, the worker side against stand-in KV cache tensors."
 
 import functools
 import json
+import os
 import signal
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -273,18 +272,25 @@ def test_a_members_transcript_is_pinned_at_its_next_use_until_its_family_closes(
 
 def test_the_pins_of_an_engine_killed_holding_them_are_released(store):
     keys = published(store, 2)
-    # An engine's scheduler side in its own process: it pins a member's transcript, then dies.
-    script = (
-        "import os, signal; from types import SimpleNamespace; "
-        "from tests.vllm.test_connector_sides import DECLARED, request, side; "
-        f"scheduler = side(SimpleNamespace(socket={store.socket!r})); "
-        "member = request('a', kmesh=DECLARED); "
-        "scheduler.get_num_new_matched_tokens(member, 0); "
-        f"scheduler.pin_transcripts({{'a': {tuple(keys)!r}}}); print('pinned', flush=True); "
-        "os.kill(os.getpid(), signal.SIGKILL)"
-    )
-    engine = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert engine.returncode == -signal.SIGKILL and engine.stdout == "pinned\n", engine.stderr
+    # An engine's scheduler side in a process of its own (forked: vLLM is imported already) pins
+    # a member's transcript, then is killed.
+    said, say = os.pipe()  # engine -> test
+    go, told = os.pipe()  # test -> engine
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the engine process
+        scheduler = side(store)
+        scheduler.get_num_new_matched_tokens(request("a", kmesh=DECLARED), 0)
+        scheduler.pin_transcripts({"a": tuple(keys)})
+        os.write(say, b"pinned")
+        os.read(go, 1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    assert os.read(said, 6) == b"pinned"
+    with StoreClient(store.socket) as client:
+        assert client.stats()["pinned"] == 2
+    os.write(told, b"x")
+    assert os.waitpid(child, 0)[1] == signal.SIGKILL
+    for fd in (said, say, go, told):
+        os.close(fd)
     with StoreClient(store.socket) as client:
         wait_until(lambda: client.stats()["pinned"] == 0, 5, "the dead engine's pins let go")
 
