@@ -9,7 +9,12 @@ Every strategy gets the same budget B for what it keeps between rounds plus what
   rounds (bench/capacity_kmesh.py: restored each round, lost pieces computed again), with
   collective recovery of each round: dense pieces / Master-Mirror pieces with retention by
   declared future use / Master-Mirror pieces with LRU. The store gets B minus the working set of
-  one request (the largest prompt's KV): the least an engine needs to compute in.
+  one request (the largest prompt's KV): the least an engine needs to compute in;
+- kmesh_vllm / kmesh_vllm_lru (All-Gather): the same through vLLM with KMeshConnector
+  (bench/capacity_vllm.py::replay): its KV cache one request of max_model_len, the store the
+  rest of B; members declare their next use and the store retains by it / nothing declared and
+  the store evicts least recently used. What the same requests compute on an unbounded store is
+  their `unconstrained_tokens_per_round`, the excess their `recomputed_tokens_per_round`.
 Workloads: the All-Gather council (workloads/allgather.py), or agent trajectories
 (workloads/trajectory.py: a turn is a round; no masters, so kmesh_dense is kmesh there).
 The vanilla run is closed loop (vLLM answers, greedy) and its rounds are the trace every other
@@ -28,10 +33,6 @@ what the same strategy computes with unlimited memory (vanilla: an ideal prefix 
 piece lost), the memory effect alone.
 """
 
-import json
-import re
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -45,10 +46,20 @@ from kmesh.bench.capacity_accounting import (
     max_agents,
     token_bytes,
 )
+from kmesh.bench.capacity_process import run_vllm_process
+from kmesh.bench.capacity_replay import KMESH_VLLM_STRATEGIES, kmesh_through_vllm
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.allgather import new_tokens
 
-STRATEGIES = ("vanilla", "vanilla_offload", "kmesh_dense", "kmesh", "kmesh_lru")
+STRATEGIES = (
+    "vanilla",
+    "vanilla_offload",
+    "kmesh_dense",
+    "kmesh",
+    "kmesh_lru",
+    "kmesh_vllm",
+    "kmesh_vllm_lru",
+)
 WORKLOADS = ("allgather", "trajectory")
 # Trajectories hold no masters: every piece is dense, so kmesh_dense would be kmesh.
 TRAJECTORY_STRATEGIES = ("vanilla", "vanilla_offload", "kmesh", "kmesh_lru")
@@ -61,11 +72,8 @@ KMESH_STRATEGIES = {
 }
 # max_agents: every round within this many times its new tokens (a trajectory's: its append).
 LIMITS = {"allgather": 2.0, "trajectory": 1.5}
-VLLM_TIMEOUT_S = 3600
 # vLLM's own offloading to CPU memory, tried in this order for vanilla_offload.
 OFFLOAD_CONNECTORS = ("SimpleCPUOffloadConnector", "OffloadingConnector")
-# The line naming what failed in a vLLM process's log: a worker's error, or an exception.
-ROOT_CAUSE = re.compile(r"Worker failed with error '[^\n]*'|\b\w+Error: [^\n]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +155,19 @@ def run_capacity_bench(
                 log(f"capacity: {name} at {agents} agents")
                 run = _kmesh(cfg, name, loaded, traces[agents], per_token, directory)
                 strategies[name]["runs"].append(run)
+        unconstrained: dict[int, list[float]] = {}
+        for name in (s for s in KMESH_VLLM_STRATEGIES if s in cfg.chosen):
+            strategies[name] = {"runs": []}
+            for agents in cfg.agents:
+                log(f"capacity: {name} (vLLM) at {agents} agents")
+                spec = {"model": model, "agent_ratio": cfg.agent_ratio}
+                spec |= {"replay": str(directory / f"trace-{agents}.jsonl")}
+                spec |= {"max_model_len": _max_model_len(cfg), "budget_bytes": cfg.budget_bytes}
+                run = kmesh_through_vllm(name, spec, agents, per_token, directory, unconstrained)
+                if "error" in run:
+                    strategies[name] = {"error": run["error"]}
+                    break
+                strategies[name]["runs"].append(run)
     for strategy in strategies.values():
         for run in strategy.get("runs", []):
             rounds = traces[run["agents"]]
@@ -191,7 +212,7 @@ def _vllm(
     }
     errors = []
     for connector in OFFLOAD_CONNECTORS if name == "vanilla_offload" else (None,):
-        result = _vllm_process({**spec, "connector": connector}, directory / (connector or name))
+        result = run_vllm_process({**spec, "connector": connector}, directory / (connector or name))
         if "error" not in result:
             break
         errors.append(f"{connector}: {result['error']}" if connector else result["error"])
@@ -212,37 +233,6 @@ def _vllm(
             }
         )
     return {"runs": runs, "connector": result.get("connector")}
-
-
-def _vllm_process(spec: dict[str, Any], stem: Path) -> dict[str, Any]:
-    """Run bench/capacity_vllm.py on `spec`; its result, or {"error": why}."""
-    path, log_path, result_path = (stem.with_suffix(s) for s in (".spec", ".log", ".json"))
-    path.write_text(json.dumps({**spec, "result": str(result_path)}))
-    with log_path.open("w") as out:
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "kmesh.bench.capacity_vllm", str(path)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=VLLM_TIMEOUT_S,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"did not finish in {VLLM_TIMEOUT_S} s"}
-    cause = _root_cause(log_path.read_text())
-    if not result_path.is_file():
-        return {"error": f"ended without a result: {cause or 'no error in its log'}"}
-    result: dict[str, Any] = json.loads(result_path.read_text())
-    if "error" in result:
-        return {"error": result["error"] if cause is None else f"{cause} ({result['error']})"}
-    result["connector"] = spec["connector"]
-    return result
-
-
-def _root_cause(log: str) -> str | None:
-    """The first error vLLM's processes logged (what failed first), if any."""
-    found = ROOT_CAUSE.search(log)
-    return found.group(0) if found else None
 
 
 def _kmesh(

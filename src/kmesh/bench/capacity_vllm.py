@@ -11,6 +11,13 @@ prefill, with the decode steps vLLM interleaves), `round_seconds` the whole call
 make the next round's prompts. The prefix cache is reset between agent counts. The
 vanilla run's rounds are saved as traces that KMesh's strategies replay. A strategy vLLM cannot
 start writes its error instead.
+
+With `replay` (a trace) the process is KMesh through vLLM (`replay`): vLLM with KMeshConnector
+on a store the bench started, a KV cache of one request (`kv_cache_bytes`), the trace's rounds
+sent with the All-Gather bench's collective requests (bench/strategy_requests.py: segments,
+each round from round 1 on declared, each member's `next_use`, dropped unless `declare`).
+`computed` is what vLLM computed plus what recovery computed, `restored_bytes` what the members'
+transcripts read from the store.
 """
 
 import json
@@ -24,6 +31,13 @@ from typing import Any
 def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     from kmesh.vllm.config import vllm_engine_kwargs
 
+    if spec.get("replay"):
+        return vllm_engine_kwargs(
+            spec["model"],
+            store=spec["store"],
+            kv_cache_bytes=spec["kv_cache_bytes"],
+            max_model_len=spec["max_model_len"],
+        )
     budget = spec["budget_bytes"]
     kwargs = vllm_engine_kwargs(
         spec["model"], connector=False, kv_cache_bytes=budget, max_model_len=spec["max_model_len"]
@@ -88,10 +102,56 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return {"runs": runs}
 
 
+def replay(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from kmesh.bench.allgather_config import AllGatherBenchConfig
+    from kmesh.bench.strategy_requests import strategy_request
+    from kmesh.workloads.allgather import group_rounds
+    from kmesh.workloads.trace import load_trace
+
+    rounds = group_rounds(load_trace(Path(spec["replay"]))[2])
+    agents = len(rounds[0])
+    bench = AllGatherBenchConfig(agent_ratio=spec["agent_ratio"])
+    llm = LLM(**engine_kwargs(spec))
+    # Two tokens: the transcript is the prompt's, and a request that ends in the step its
+    # recovery ran pins nothing (kmesh/vllm/scheduler_side.py::pin_transcripts).
+    answer = SamplingParams(temperature=0, max_tokens=2)
+    out = []
+    for r, turns in enumerate(rounds):
+        prompts, params = [], []
+        for turn in turns:
+            salt, kmesh = strategy_request("collective", r, turn, bench, agents, ":capacity")
+            assert kmesh is not None
+            if not spec["declare"]:
+                kmesh.pop("next_use", None)
+            assert salt is not None
+            prompts.append(
+                TokensPrompt(prompt_token_ids=list(turn.prompt.token_ids), cache_salt=salt)
+            )
+            params.append(answer.clone())
+            params[-1].extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = [(o.kv_transfer_params or {})["kmesh"] for o in outs]
+        recovery = [s.get("recovery") or {} for s in stats]
+        out.append(
+            {
+                "computed": sum(s["computed_tokens"] for s in stats)
+                + sum(r.get("computed_tokens", 0.0) for r in recovery),
+                "restored_tokens": sum(r.get("restored_tokens", 0) for r in recovery),
+                "restored_bytes": sum(r.get("restored_bytes", 0) for r in recovery),
+                "seconds": time.perf_counter() - started,
+            }
+        )
+    llm.llm_engine.engine_core.shutdown()
+    return {"runs": [{"agents": agents, "rounds": out}]}
+
+
 def main(path: str) -> None:
     spec = json.loads(Path(path).read_text())
     try:
-        result = run(spec)
+        result = replay(spec) if spec.get("replay") else run(spec)
     except Exception as error:  # a strategy vLLM cannot run on this build: say why
         result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
     Path(spec["result"]).write_text(json.dumps(result))

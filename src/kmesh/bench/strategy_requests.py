@@ -45,8 +45,15 @@ def strategy_request(
         "check_layer": cfg.check_layer,
         "gate_sample": cfg.gate_sample,
     }
+    # Its place in the next round: the store keeps its transcript by it.
+    next_use = float((r + 1) * agents + turn.agent)
     if r == 0 and name == "collective":  # no round to declare yet
-        return salt, {"segments": segments, "recovery": {**recovery, "ratio": cfg.agent_ratio}}
+        return salt, {
+            "family": FAMILY,
+            "segments": segments,
+            "recovery": {**recovery, "ratio": cfg.agent_ratio},
+            "next_use": next_use,
+        }
     if name == "per_request":
         return salt, {
             "segments": segments,
@@ -63,8 +70,7 @@ def strategy_request(
         "family": FAMILY,
         "segments": segments,
         "recovery": {**recovery, "ratio": cfg.agent_ratio, "round": round_},
-        # Its place in the next round: the store keeps its transcript by it.
-        "next_use": float((r + 1) * agents + turn.agent),
+        "next_use": next_use,
     }
 
 

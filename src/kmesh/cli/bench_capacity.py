@@ -61,6 +61,7 @@ def register(benches: Commands) -> None:
         "--strategies",
         type=_names,
         default=(),
-        help="a subset, vanilla included: vanilla,vanilla_offload,kmesh_dense,kmesh,kmesh_lru",
+        help="a subset, vanilla included: vanilla,vanilla_offload,kmesh_dense,kmesh,kmesh_lru,"
+        "kmesh_vllm,kmesh_vllm_lru (the last two: KMesh through vLLM, All-Gather only)",
     )
     add_bench_options(capacity, _bench_capacity, plot="computed tokens vs agents")
