@@ -106,27 +106,28 @@ def test_bad_input_gets_one_clear_line_and_no_traceback(args, message, capsys):
 
 
 @pytest.mark.model
-def test_a_prompt_longer_than_the_context_is_refused():
-    result = kmesh("generate", "word " * 9000)
-    assert result.returncode == 2
-    assert "context is 8192 tokens" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_a_prompt_longer_than_the_context_is_refused(capsys):
+    status, stderr = kmesh_in_process(["generate", "word " * 9000], capsys)
+    assert status == 2
+    assert "context is 8192 tokens" in stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.model
-def test_max_tokens_past_the_context_is_refused():
-    result = kmesh("generate", "x", "--max-tokens", "1000000000")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
+def test_max_tokens_past_the_context_is_refused(capsys):
+    status, stderr = kmesh_in_process(["generate", "x", "--max-tokens", "1000000000"], capsys)
+    assert status == 2
+    assert stderr.strip().splitlines()[-1] == (
         "kmesh: error: max_tokens=1000000000 cannot be greater than the model's context of 8192 "
         "tokens (prompt and output together). Please request fewer output tokens."
     )
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.model
-def test_a_capacity_budget_below_one_request_is_refused_before_anything_runs():
-    result = kmesh("bench", "capacity", "--budget-mib", "64", "--json", "x.json")
-    assert result.returncode == 2
-    assert "--budget-mib 64 does not hold one request's KV at 32 agents" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_a_capacity_budget_below_one_request_is_refused_before_anything_runs(capsys):
+    args = ["bench", "capacity", "--budget-mib", "64", "--json", "x.json"]
+    status, stderr = kmesh_in_process(args, capsys)
+    assert status == 2
+    assert "--budget-mib 64 does not hold one request's KV at 32 agents" in stderr
+    assert "Traceback" not in stderr
