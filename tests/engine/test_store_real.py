@@ -5,8 +5,6 @@ import json
 
 import pytest
 
-from kmesh.engine.engine import Engine
-from kmesh.engine.request import Request, SamplingParams
 from tests.conftest import run_kmesh
 
 SENTENCES = (
@@ -37,10 +35,8 @@ def test_a_second_process_restores_a_2048_token_prompt(real_model, store_factory
     assert second.returncode == 0, second.stderr
     a, b = json.loads(first.stdout), json.loads(second.stdout)
     full_blocks = (len(ids) - 1) // 16
-    assert a["stats"]["restored_tokens"] == 0
+    # The first computes the whole prompt cold; the second restores every full block of it.
+    assert a["stats"]["restored_tokens"] == 0 and a["stats"]["computed_tokens"] == len(ids)
     assert b["stats"]["restored_tokens"] == full_blocks * 16
     assert b["stats"]["computed_tokens"] == len(ids) - full_blocks * 16
-    cold = Engine(real_model.executor, real_model.fingerprint).generate(
-        [Request("cold", tuple(ids), SamplingParams(max_tokens=16))]
-    )[0]
-    assert a["token_ids"] == b["token_ids"] == list(cold.output_ids)
+    assert a["token_ids"] == b["token_ids"]
