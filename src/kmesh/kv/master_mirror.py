@@ -87,9 +87,9 @@ class Master:
         return positions
 
     def segments(self) -> list[MasterSegment]:
-        """Each segment's rows without their blocks' padding (views of `blocks`): what `build`
-        was given, so `Master.build(master.segments(), ...)` gives `master` back bit for bit
-        (padding is zeros)."""
+        """Each segment's rows without their blocks' padding: what `build` was given, so
+        `Master.build(master.segments(), ...)` gives `master` back bit for bit (padding is
+        zeros)."""
         out = []
         for first, length, start in zip(
             self.segment_first_block, self.segment_lengths, self.segment_starts, strict=True
