@@ -2,13 +2,16 @@
 mechanism itself is tested once, for both engines, in tests/recovery/test_collective.py and
 tests/recovery/test_requests.py."""
 
+from dataclasses import replace
+
 import pytest
 
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.errors import InvalidRequestError
 from kmesh.recovery.jobs import RecoveryRequest
-from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.state.request_meta import KMeshParams, RecoverySpec, RoundSpec
 from kmesh.state.segments import Role, Span
+from kmesh.store import StoreClient
 from tests.conftest import random_tokens
 
 GREEDY = SamplingParams(max_tokens=8)
@@ -257,3 +260,30 @@ def test_a_segment_one_engine_read_first_is_reused_by_another_on_the_same_store(
     for out, reused in ((reader, shared), (cold, 0), (other, 0)):
         assert out.stats.recovery is not None
         assert out.stats.recovery["reused_tokens"] == reused
+
+
+def test_a_declared_next_use_pins_the_transcript_until_the_family_closes(
+    make_tiny_engine, store_factory
+):
+    """With a store, a round's members that declare their next use have their transcripts
+    pinned for the family (the same family pins as vLLM's, store/family_pins.py); a member
+    carrying `close` ends the family and its pins at once."""
+    spec = RecoverySpec(policy="none", gate=None, round=ROUND)
+    store = store_factory(capacity="64M")
+    engine = make_tiny_engine(store=store.socket)
+
+    def declared(request: Request, **kmesh: object) -> Request:
+        params = KMeshParams(family="council", recovery={"policy": "full"}, **kmesh)
+        return replace(request, kmesh=params)
+
+    try:
+        engine.generate([declared(sibling(0, "ab", spec), next_use=3.0), sibling(1, "ba", spec)])
+        with StoreClient(store.socket) as client:
+            pinned = client.stats()["pinned"]
+            assert pinned > 0  # the declared member's pieces and its round's master
+            engine.generate([declared(sibling(2, "ab", spec), next_use=4.0)])
+            assert client.stats()["pinned"] >= pinned  # the family is open
+            engine.generate([declared(sibling(2, "ab", spec, then="cd"), close=True)])
+            assert client.stats()["pinned"] == 0
+    finally:
+        engine.close()

@@ -173,6 +173,8 @@ class Engine:
         seq = self.scheduler.find(request_id)
         if seq is not None:
             self.scheduler.abort(seq)
+            if self._link is not None:
+                self._link.end_member(seq.request)
         elif self._states.is_queued(request_id):
             self._states.unqueue(request_id)
         elif request_id not in self._states:
@@ -238,6 +240,9 @@ class Engine:
                 logits = self.runner.step(batch)
         for seq, row in zip(batch.seqs, logits, strict=True):
             self.kv.register_full_blocks(seq)
+            if seq.transcript and self._link is not None:
+                self._link.pin_transcript(seq.request, seq.transcript)
+            seq.transcript = ()
             if seq.request.params is None or seq.finish_reason is not None:
                 self._retain(seq, row)  # a retained request's last token is now computed
                 continue
@@ -310,6 +315,8 @@ class Engine:
             self.scheduler.finish(seq)
         else:
             self.kv.free(seq)
+        if self._link is not None:
+            self._link.end_member(seq.request)
         self._end(seq.request.request_id)
 
     def _retain(self, seq: Sequence, logits: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from kmesh.errors import InvalidRequestError
 from kmesh.recovery.jobs import RecoveryRequest
+from kmesh.state.request_meta import KMeshParams
 
 # The most top_logprobs a request may ask for (vLLM's default max_logprobs is 20).
 MAX_TOP_LOGPROBS = 20
@@ -92,6 +93,9 @@ class Request:
     keep_output: bool = False
     # Name of a LoRA adapter loaded into the engine (None: the base model).
     adapter: str | None = None
+    # The caller's `kmesh` object (kmesh serve): with a store, the family its transcript is
+    # pinned for at its `next_use`, until the family ends here (`branches`, `close`).
+    kmesh: KMeshParams | None = None
 
 
 @dataclass(slots=True)

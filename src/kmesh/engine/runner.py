@@ -112,7 +112,9 @@ class ModelRunner:
             seq.stats.computed_tokens -= job.end - job.start
             seq.stats.recovered_tokens = job.end - job.start
 
-        self.recovery.run([job for _, job in claims], _CacheRows(self.cache), write)
+        outcomes = self.recovery.run([job for _, job in claims], _CacheRows(self.cache), write)
+        for request_id, outcome in outcomes.items():
+            by_id[request_id].transcript = outcome.transcript
 
     def keep_output(self, seq: Sequence) -> int:
         """Hand the finished sequence's generated rows (every output token fed back) to

@@ -48,6 +48,8 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     # Recovery still to run on the prompt (taken by the runner at its first prefill).
     recovery: RecoveryRequest | None = None
+    # Store keys of the transcript its recovery published, until the engine pins them.
+    transcript: tuple[bytes, ...] = ()
     # The request's adapter and the position it applies from (None: the base model throughout).
     lora: LoraUse | None = None
     generator: torch.Generator | None = None

@@ -7,8 +7,10 @@ request). A request whose caller stops listening (a closed stream) is aborted be
 step: its blocks go back to the pool and no more of it is computed.
 
 A request's `kmesh.family` is accepted and echoed; on this engine the family's trunk is shared
-through the local prefix cache (and the store, with `--store`) like any common prefix, and
-`branches` / `close` have no effect: the reference engine does not pin store entries for a family.
+through the local prefix cache (and the store, with `--store`) like any common prefix. With a
+store, a request that declares `next_use` has its transcript pinned for its family
+(engine/store_link.py), until `branches` members of the family ended here or one carrying
+`close` did; a request with `n` > 1 does not (its trunk is an engine family of its own).
 `kmesh.recovery` with `kmesh.segments` (a round, a policy) is served as vLLM's connector serves
 it (kmesh/recovery/requests.py), with the same stats under `recovery`. A request's `n` > 1
 choices are an engine family of their own: one retained trunk, n copy-on-write forks
@@ -200,7 +202,13 @@ class ReferenceBackend:
         if n == 1:
             keep = job.kmesh is not None and job.kmesh.keep_output
             request = Request(
-                base, job.prompt_ids, params(0), job.cache_salt, recovery=recovery, keep_output=keep
+                base,
+                job.prompt_ids,
+                params(0),
+                job.cache_salt,
+                recovery=recovery,
+                keep_output=keep,
+                kmesh=job.kmesh,
             )
             return _Submission([(request, live(0, logprobs))])
         trunk_id = f"{base}/trunk"

@@ -10,19 +10,18 @@
   once.
 - The blocks no one has, this engine leads: once vLLM has computed one, a segment is reserved, the
   worker copies the block into it, and the checksum it reports is committed (None: abandoned).
-- Families (coord/families.py::RequestFamilies): the trunk's blocks are pinned for the family
-  while it is open here, and so is a member's transcript (its pieces and its round's master)
-  at the `next_use` the member declared; when the family ends, each tenant's pins are closed.
+- Families (store/family_pins.py): the trunk's blocks are pinned for the family while it is
+  open here, and so is a member's transcript (its pieces and its round's master) at the
+  `next_use` the member declared; when the family ends, each tenant's pins are closed.
 Every store failure falls back to vLLM computing the tokens itself.
 """
 
 import logging
 from collections.abc import Sequence
 
-from kmesh.coord.families import RequestFamilies
 from kmesh.store import Acquired, StoreError, StoreRefused
+from kmesh.store.family_pins import MAX_OPEN_FAMILIES, FamilyPins
 from kmesh.store.policy import StorePolicy, TenantKey
-from kmesh.store.protocol import MAX_KEYS
 from kmesh.store.segments import encode_meta
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import SaveBlock
@@ -35,8 +34,6 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.2
 # A request stops waiting for another engine after this long and computes the blocks itself.
 MAX_WAIT_S = 60.0
-# Families held open here at most; past it the oldest is closed (its store pins let go).
-MAX_OPEN_FAMILIES = 10_000
 
 
 class StoreSide:
@@ -47,7 +44,7 @@ class StoreSide:
         self.block_size = layout.block_size
         self.meta_bytes = encode_meta(layout.meta)
         self.policy = StorePolicy(store, MAX_WAIT_S)
-        self.families = RequestFamilies(MAX_OPEN_FAMILIES)
+        self.pins = FamilyPins(self.policy.client, MAX_OPEN_FAMILIES)
         # Reserved, waiting for the worker's copy -> the family to pin the entry for, if any.
         self._reserved: dict[TenantKey, str | None] = {}
 
@@ -136,13 +133,13 @@ class StoreSide:
         self.policy.release(request_id)
         if tracked.params is None:
             return
-        for ended in self.families.end_member(tracked.params):
-            for tenant in ended.tenants:
-                if self.available:
-                    try:
-                        self.policy.client(tenant).close_family(ended.family_id)
-                    except StoreError as error:
-                        self.policy.failed(None, error)
+        if not self.available:  # the store is gone, and its pins with it
+            self.pins.families.end_member(tracked.params)
+            return
+        try:
+            self.pins.end_member(tracked.params)
+        except StoreError as error:
+            self.policy.failed(None, error)
 
     def close(self) -> None:
         self.policy.close()
@@ -154,11 +151,8 @@ class StoreSide:
             return
         if not self.available:
             return
-        self.families.pinned(params.family, tracked.tenant)
-        client = self.policy.client(tracked.tenant)
         try:
-            for lo in range(0, len(keys), MAX_KEYS):
-                client.pin(params.family, keys[lo : lo + MAX_KEYS], params.next_use)
+            self.pins.pin(params.family, tracked.tenant, keys, params.next_use)
         except StoreError as error:
             self.policy.failed(None, error)
 
@@ -166,10 +160,9 @@ class StoreSide:
         """Pin the request's family trunk; `got`, or no hits if the store is gone now."""
         params = tracked.params
         if tracked.trunk_blocks and params is not None and params.family and self.available:
-            self.families.pinned(params.family, tracked.tenant)
             trunk = [bytes(k) for k in tracked.keys[: tracked.trunk_blocks]]
             try:
-                self.policy.client(tracked.tenant).pin(params.family, trunk)
+                self.pins.pin(params.family, tracked.tenant, trunk)
             except StoreError as error:
                 self.policy.failed(None, error)
         return got if self.available else Acquired((), (), None, got.lease)
