@@ -87,18 +87,16 @@ class Master:
         return positions
 
     def segments(self) -> list[MasterSegment]:
-        """Each segment's rows without their blocks' padding: what `build` was given, so
-        `Master.build(master.segments(), ...)` gives `master` back bit for bit (padding is
-        zeros)."""
+        """Each segment's rows without their blocks' padding: `build` of them gives the master
+        back bit for bit (its padding is zeros)."""
         out = []
         for first, length, start in zip(
             self.segment_first_block, self.segment_lengths, self.segment_starts, strict=True
         ):
             count = blocks_for(length, self.block_size)
             blocks = self.blocks[first : first + count]  # [count, 2, L, bs, H, D]
-            rows = blocks.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :length]
-            positions = torch.arange(start, start + length, device=self.blocks.device)
-            out.append(MasterSegment(rows[0], rows[1], positions))
+            rows = blocks.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :length]  # [2, L, n, H, D]
+            out.append(MasterSegment(rows[0], rows[1], torch.arange(start, start + length)))
         return out
 
     @classmethod

@@ -95,8 +95,10 @@ class StoreTranscripts:
         client = self.clients(job.tenant)
         namespace = self._namespace(job)
         keys = list(chain.keys)
+        master = None  # the store key of the round's master the job's mirrors read
         if mirrors is not None:
-            keys.append(self.masters.key(mirrors.round, mirrors.master_choice, mirrors.tokens))
+            master = self.masters.key(mirrors.round, mirrors.master_choice, mirrors.tokens)
+            keys.append(master)
         parent = chain.keys[-1] if chain.keys else None
         start = chain.end
         try:
@@ -105,7 +107,7 @@ class StoreTranscripts:
                     continue
                 key = piece_key(namespace, parent, job.token_ids[start:end])
                 if client.acquire([key]).lead:
-                    self._publish_piece(client, key, job, (start, end), pages, mirrors)
+                    self._publish_piece(client, key, job, (start, end), pages, mirrors, master)
                 keys.append(key)
                 parent, start = key, end
         except StoreError as error:
@@ -120,12 +122,13 @@ class StoreTranscripts:
         rows: tuple[int, int],
         pages: PrefixReader,
         mirrors: RoundMirrors | None,
+        master: bytes | None,
     ) -> None:
         """Publish the led `key`: the job's rows [start, end) read back from `pages`. Anything
         but a store error while building it gives the key up and is raised as one."""
         try:
             k, v = pages.read(job.block_ids, torch.arange(*rows))
-            payload = piece_payload(self._piece(rows[0], k, v, mirrors))
+            payload = piece_payload(self._piece(rows[0], k, v, mirrors, master))
         except Exception as error:  # a piece is an optimisation: never fatal to the job
             client.abandon([key])
             raise StoreError(f"piece [{rows[0]}, {rows[1]}) not built: {error}") from None
@@ -209,20 +212,24 @@ class StoreTranscripts:
             raise
 
     def _piece(
-        self, start: int, k: torch.Tensor, v: torch.Tensor, mirrors: RoundMirrors | None
+        self,
+        start: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mirrors: RoundMirrors | None,
+        master: bytes | None,
     ) -> Piece:
-        """Rows k, v from `start` as a piece: mirrored where the job's mirrors inside it give
-        exactly these rows back, dense otherwise."""
+        """Rows k, v from `start` as a piece: mirrored (naming the `master` entry) where the
+        job's mirrors inside it give exactly these rows back, dense otherwise."""
         end = start + k.shape[1]
-        if mirrors is not None:
+        if mirrors is not None and master is not None:
             inside = [
                 m
                 for m in mirrors.mirrors
                 if m.positions.numel() and start <= m.positions.min() and m.positions.max() < end
             ]
             if inside:
-                key = self.masters.key(mirrors.round, mirrors.master_choice, mirrors.tokens)
-                piece = Piece.of(start, k, v, inside, key)
+                piece = Piece.of(start, k, v, inside, master)
                 if gives_back(piece, mirrors.master, self.config, k, v):
                     return piece
                 log.info("kmesh: mirrors do not give the rows back; the piece is dense")
