@@ -2,13 +2,17 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_bench_options, agent_counts, config_from_args, emit_report
+from kmesh.cli.bench_common import (
+    add_bench_options,
+    add_config_flag,
+    config_from_args,
+    emit_report,
+    progress,
+)
 from kmesh.cli.common import Commands
 
 
 def _bench_agents(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.bench.agents import run_agents_bench
     from kmesh.bench.agents_config import AgentsBenchConfig
     from kmesh.bench.agents_report import plot, print_report
@@ -16,18 +20,15 @@ def _bench_agents(args: argparse.Namespace) -> None:
     cfg = config_from_args(
         AgentsBenchConfig,
         args,
-        agents=tuple(agent_counts(args.agents, "--agents")),
         slo_ttft_s=args.slo_ttft,
-        strategies=tuple(args.strategies.split(",")),
         stagger_s=args.stagger,
         serial_check=not args.no_serial_check,
     )
-    console = Console(stderr=True)
-    emit_report(args, run_agents_bench(cfg, console.log), print_report, plot)
+    emit_report(args, run_agents_bench(cfg, progress()), print_report, plot)
 
 
 def register(benches: Commands) -> None:
-    from kmesh.bench.agents_config import ENGINES, STRATEGIES, AgentsBenchConfig
+    from kmesh.bench.agents_config import ENGINES, AgentsBenchConfig
     from kmesh.workloads.agent_chats import WORKLOADS
     from kmesh.workloads.allgather import ORDERS
 
@@ -37,14 +38,11 @@ def register(benches: Commands) -> None:
         help="agents arriving together over the chat API: makespan, TTFT and agents under an "
         "SLO, kmesh serve against plain vLLM",
     )
-    agents.add_argument("--workload", choices=WORKLOADS, default=default.workload)
-    counts = ",".join(map(str, default.agents))
-    agents.add_argument(
-        "--agents", default=counts, help=f"agent counts, comma-separated (default {counts})"
-    )
-    agents.add_argument("--rounds", type=int, default=default.rounds)
-    agents.add_argument("--seed", type=int, default=default.seed)
-    agents.add_argument("--order", choices=ORDERS, default=default.order, help="allgather's orders")
+    add_config_flag(agents, default, "workload", choices=WORKLOADS)
+    add_config_flag(agents, default, "agents", "agent counts, comma-separated")
+    add_config_flag(agents, default, "rounds")
+    add_config_flag(agents, default, "seed")
+    add_config_flag(agents, default, "order", "allgather's orders", choices=ORDERS)
     agents.add_argument(
         "--slo-ttft",
         type=float,
@@ -52,43 +50,20 @@ def register(benches: Commands) -> None:
         help=f"seconds; TTFT p99 under it holds an agent count (default {default.slo_ttft_s:g}: "
         "docs/AGENTS.md says why)",
     )
-    agents.add_argument(
-        "--max-tokens", type=int, default=default.max_tokens, help="greedy tokens per message"
-    )
-    agents.add_argument("--engine", choices=ENGINES, default=default.engine)
-    agents.add_argument(
-        "--strategies",
-        default=",".join(STRATEGIES),
-        help=f"comma-separated, vllm included (default {','.join(STRATEGIES)})",
-    )
-    agents.add_argument(
-        "--kv-cache",
-        default=default.kv_cache,
-        help=f"both servers' vLLM KV cache (default {default.kv_cache})",
-    )
-    agents.add_argument(
-        "--store-capacity",
-        default=default.store_capacity,
-        help=f"KMesh's store (default {default.store_capacity})",
-    )
-    agents.add_argument("--per-request-ratio", type=float, default=default.per_request_ratio)
-    agents.add_argument(
-        "--agent-ratio", type=float, default=default.agent_ratio, help="kmesh_collective's"
-    )
-    agents.add_argument(
-        "--context-tokens",
-        type=int,
-        default=default.context_tokens,
-        help=f"trajectory: each agent's start (default {default.context_tokens})",
-    )
-    agents.add_argument(
-        "--tool-tokens", type=int, default=default.tool_tokens, help="trajectory: each turn's"
-    )
+    add_config_flag(agents, default, "max_tokens", "greedy tokens per message")
+    add_config_flag(agents, default, "engine", choices=ENGINES)
+    add_config_flag(agents, default, "strategies", "comma-separated, vllm included")
+    add_config_flag(agents, default, "kv_cache", "both servers' vLLM KV cache")
+    add_config_flag(agents, default, "store_capacity", "KMesh's store")
+    add_config_flag(agents, default, "per_request_ratio", "kmesh_per_request's")
+    add_config_flag(agents, default, "agent_ratio", "kmesh_collective's")
+    add_config_flag(agents, default, "context_tokens", "trajectory: each agent's start")
+    add_config_flag(agents, default, "tool_tokens", "trajectory: each turn's")
     agents.add_argument(
         "--stagger",
         type=float,
         default=default.stagger_s,
-        help="trajectory: seconds between arrivals",
+        help=f"trajectory: seconds between arrivals (default {default.stagger_s:g})",
     )
     agents.add_argument(
         "--no-serial-check",

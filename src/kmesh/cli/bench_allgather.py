@@ -7,14 +7,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kmesh.cli.bench_common import add_bench_options, agent_counts, write_json
+from kmesh.cli.bench_common import add_bench_options, agent_counts, progress, write_json
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_allgather(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.bench.allgather import run_allgather_bench
     from kmesh.bench.allgather_config import RECOVERY_FIELDS, AllGatherBenchConfig
     from kmesh.bench.allgather_report import print_table, write_report
@@ -53,7 +51,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         trace = (trace_model, turns) if args.trace is not None else None
         _bench_allgather_vllm(args, cfg, workload, trace)
         return
-    console = Console(stderr=True)
+    log = progress()
     model = load_model(args.model)
     engine = Engine(model.executor, model.fingerprint)
     if args.trace is not None:
@@ -64,16 +62,16 @@ def _bench_allgather(args: argparse.Namespace) -> None:
                 "`kmesh workload allgather`"
             )
     else:
-        console.log(f"generating the workload: {workload.agents} agents, {workload.rounds} rounds")
-        turns = generate_trace(workload, engine, model.tokenizer, progress=console.log)
+        log(f"generating the workload: {workload.agents} agents, {workload.rounds} rounds")
+        turns = generate_trace(workload, engine, model.tokenizer, progress=log)
     others = []
     for agents in scale:
         if agents == workload.agents:
             others.append(turns)
             continue
-        console.log(f"generating the workload for --scale: {agents} agents")
+        log(f"generating the workload for --scale: {agents} agents")
         other = replace(workload, agents=agents)
-        others.append(generate_trace(other, engine, model.tokenizer, progress=console.log))
+        others.append(generate_trace(other, engine, model.tokenizer, progress=log))
     report = run_allgather_bench(
         model.executor,
         model.fingerprint,
@@ -82,7 +80,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         workload,
         args.sweep,
         others,
-        progress=console.log,
+        progress=log,
     )
     if args.closed_loop:
         from kmesh.bench.closed_loop import reference_closed_loop
@@ -92,7 +90,7 @@ def _bench_allgather(args: argparse.Namespace) -> None:
             model.tokenizer,
             workload,
             cfg,
-            progress=console.log,
+            progress=log,
         )
         for name, loop in loops.items():
             report["strategies"][name]["closed_loop"] = loop
@@ -105,8 +103,6 @@ def _bench_allgather(args: argparse.Namespace) -> None:
 def _bench_allgather_vllm(
     args: argparse.Namespace, cfg: Any, workload: Any, trace: tuple[str, Any] | None
 ) -> None:
-    from rich.console import Console
-
     from kmesh.bench.allgather_report import print_table
     from kmesh.bench.allgather_vllm import run_vllm_allgather_bench
     from kmesh.bench.common import report_console
@@ -127,7 +123,7 @@ def _bench_allgather_vllm(
             f"{trace_model[:12]}, this model is {fingerprint[:12]}); regenerate it with "
             "`kmesh workload allgather`"
         )
-    console = Console(stderr=True)
+    log = progress()
     report = run_vllm_allgather_bench(
         turns,
         cfg,
@@ -136,7 +132,7 @@ def _bench_allgather_vllm(
         args.block_size,
         args.sweep,
         args.closed_loop,
-        progress=console.log,
+        progress=log,
     )
     write_json(args.json, report)
     print_table(report, report_console())

@@ -1,5 +1,6 @@
-"""What the `kmesh bench` commands share: agent-count lists, a bench's config made from its flags,
-and its report: the --json and --plot options, then its table, JSON and plot."""
+"""What the `kmesh bench` commands share: flags made from a bench's config fields (its defaults
+set once, in the config), agent-count lists, a bench's config made from its flags, and its
+report: the --json and --plot options, then its table, JSON and plot."""
 
 import argparse
 import dataclasses
@@ -35,6 +36,33 @@ def add_bench_options(
     parser.set_defaults(func=run)
 
 
+def add_config_flag(
+    parser: argparse.ArgumentParser,
+    defaults: "DataclassInstance",
+    name: str,
+    help: str = "",
+    *,
+    unset: bool = False,
+    **options: Any,
+) -> None:
+    """--name for the config field `name` (dashes for underscores): its default and, unless
+    `options` give one or choices, its type come from `defaults` (the config made with its own
+    defaults: the one place a bench sets them), and its help says the default. A tuple field
+    takes its items comma-separated, as text the handler parses (`agent_counts`). `unset`: the
+    flag defaults to None, so that a handler can tell whether it was given."""
+    value = getattr(defaults, name)
+    if isinstance(value, tuple):
+        value = ",".join(map(str, value))
+    if value is not None and "type" not in options and "choices" not in options:
+        options["type"] = type(value)
+    parser.add_argument(
+        f"--{name.replace('_', '-')}",
+        default=None if unset else value,
+        help=f"{help} (default {value})" if help and value != "" else help or f"default {value}",
+        **options,
+    )
+
+
 def agent_counts(text: str | None, flag: str = "--scale", minimum: int = 2) -> list[int]:
     """Agent counts given as "4,8,16" to `flag` (none when the flag is absent)."""
     if text is None:
@@ -53,13 +81,28 @@ def agent_counts(text: str | None, flag: str = "--scale", minimum: int = 2) -> l
 def config_from_args(config: type[Config], args: argparse.Namespace, **given: Any) -> Config:
     """A bench's config from its flags: each field from the argument of the same name, unless
     `given` sets it (a flag named otherwise, or one parsed first); a field with neither keeps
-    its default."""
-    named = {
-        field.name: getattr(args, field.name)
-        for field in dataclasses.fields(config)
-        if hasattr(args, field.name)
-    }
-    return config(**{**named, **given})
+    its default. A tuple field given as comma-separated text (`add_config_flag`) is split: into
+    counts of at least 1 where its default holds numbers, else into names."""
+    named = {}
+    for field in dataclasses.fields(config):
+        if field.name in given or not hasattr(args, field.name):
+            continue
+        value = getattr(args, field.name)
+        if isinstance(value, str) and isinstance(field.default, tuple):
+            flag = f"--{field.name.replace('_', '-')}"
+            numbers = bool(field.default) and isinstance(field.default[0], int)
+            value = tuple(
+                agent_counts(value, flag, 1) if numbers else filter(None, value.split(","))
+            )
+        named[field.name] = value
+    return config(**named, **given)
+
+
+def progress() -> Callable[[str], None]:
+    """Where a bench reports its progress: timestamped lines on stderr (tables go to stdout)."""
+    from rich.console import Console
+
+    return Console(stderr=True).log
 
 
 def write_json(path: str, report: dict[str, object]) -> None:

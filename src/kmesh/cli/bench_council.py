@@ -2,24 +2,22 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_council(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.bench.council import CouncilConfig, client_python, run_council_bench
     from kmesh.bench.council_report import plot, print_report
 
     cfg = config_from_args(CouncilConfig, args)
     python = client_python(args.client_python)
-    console = Console(stderr=True)
+    log = progress()
     ratios = tuple(float(r) for r in args.ratios.split(","))
     if not all(0 <= r <= 1 for r in ratios):
         raise InvalidRequestError(f"--ratios are shares in [0, 1], got {args.ratios}")
-    result = run_council_bench(cfg, args.engine, ratios, python, console.log)
+    result = run_council_bench(cfg, args.engine, ratios, python, log)
     emit_report(args, result, print_report, plot)
 
 

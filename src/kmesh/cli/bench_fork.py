@@ -3,19 +3,17 @@ vs fork (bench/fork.py; bench/fork_vllm.py with --engine vllm)."""
 
 import argparse
 
-from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_fork(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.bench.fork import ForkBenchConfig, print_report, run_fork_bench
     from kmesh.compute.loader import load_model
 
     cfg = config_from_args(ForkBenchConfig, args)
-    console = Console(stderr=True)
+    log = progress()
     model = load_model(args.model)
     context = cfg.trunk_tokens + cfg.reasoning_tokens + 2 * cfg.branch_tokens
     if context > model.config.max_position:
@@ -26,10 +24,10 @@ def _bench_fork(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         from kmesh.bench.fork_vllm import print_vllm_report, run_vllm_fork_bench
 
-        report = run_vllm_fork_bench(cfg, args.model, progress=console.log)
+        report = run_vllm_fork_bench(cfg, args.model, progress=log)
         emit_report(args, report, print_vllm_report)
     else:
-        report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=console.log)
+        report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=log)
         emit_report(args, report, print_report)
 
 

@@ -2,19 +2,17 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 
 
 def _bench_load(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.bench.load import LoadConfig, run_load_bench
     from kmesh.bench.load_report import plot, print_report
 
     cfg = config_from_args(LoadConfig, args)
-    console = Console(stderr=True)
-    result = run_load_bench(cfg, console.log)
+    log = progress()
+    result = run_load_bench(cfg, log)
     emit_report(args, result, print_report, plot)
 
 

@@ -4,15 +4,14 @@ residual (bench/lora.py; bench/lora_vllm.py with --engine vllm)."""
 import argparse
 from pathlib import Path
 
-from kmesh.cli.bench_common import agent_counts, config_from_args, write_json
+from kmesh.cli.bench_common import agent_counts, config_from_args, progress, write_json
 from kmesh.cli.common import Commands, add_model_option
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_lora(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.adapters.prepare import ensure_adapters
+    from kmesh.bench.common import report_console
     from kmesh.bench.lora import LoraBench, LoraBenchConfig, run_lora_bench
     from kmesh.bench.lora_report import plot, print_report
     from kmesh.compute.loader import load_model
@@ -25,7 +24,7 @@ def _bench_lora(args: argparse.Namespace) -> None:
         agents=tuple(agent_counts(args.agents, "--agents", 1)),
         residual=ResidualConfig(args.check_tokens, args.max_deviation),
     )
-    console = Console(stderr=True)
+    log = progress()
     model = load_model(args.model)
     if args.context_tokens + 128 > model.config.max_position:
         raise InvalidRequestError(
@@ -33,22 +32,20 @@ def _bench_lora(args: argparse.Namespace) -> None:
             f"({model.config.max_position} tokens)"
         )
     adapters = max(cfg.agents)
-    console.log(f"preparing {adapters} adapters of each kind (trained once, then cached)")
+    log(f"preparing {adapters} adapters of each kind (trained once, then cached)")
     plain_dirs = ensure_adapters("lora", adapters)
     activated_dirs = ensure_adapters("activated", adapters)
     plain = [load_adapter(path, model.executor.dtype) for path in plain_dirs]
     activated = [load_adapter(path, model.executor.dtype) for path in activated_dirs]
-    console.log(f"the shared context ({cfg.context_tokens} tokens: written once, then cached)")
+    log(f"the shared context ({cfg.context_tokens} tokens: written once, then cached)")
     bench = LoraBench(model, plain, activated, cfg)
     if args.engine == "vllm":
         from kmesh.bench.lora_vllm import run_vllm_lora_bench
 
-        result = run_vllm_lora_bench(
-            bench, plain_dirs, activated_dirs, args.model, progress=console.log
-        )
+        result = run_vllm_lora_bench(bench, plain_dirs, activated_dirs, args.model, progress=log)
     else:
-        result = run_lora_bench(bench, progress=console.log)
-    print_report(result, Console())
+        result = run_lora_bench(bench, progress=log)
+    print_report(result, report_console())
     write_json(args.json, result)
     picture = Path(args.json).with_suffix(".png")
     plot(result, picture)

@@ -3,14 +3,12 @@
 
 import argparse
 
-from kmesh.cli.bench_common import add_bench_options, emit_report
+from kmesh.cli.bench_common import add_bench_options, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 
 
 def _bench_restore(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.bench.restore import print_restore, run_restore_bench
 
     try:
@@ -24,8 +22,8 @@ def _bench_restore(args: argparse.Namespace) -> None:
     tiers = args.tiers.split(",")
     if tiers not in (["local"], ["local", "remote"]):
         raise InvalidRequestError(f"--tiers takes local or local,remote; got {args.tiers!r}")
-    console = Console(stderr=True)
-    report = run_restore_bench(args.model, sizes, args.concurrency, console.log, tiers)
+    log = progress()
+    report = run_restore_bench(args.model, sizes, args.concurrency, log, tiers)
     emit_report(args, report, print_restore)
 
 

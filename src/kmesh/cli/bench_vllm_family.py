@@ -3,18 +3,16 @@ vanilla vLLM (bench/vllm_family.py)."""
 
 import argparse
 
-from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report
+from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 
 
 def _bench_vllm_family(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from kmesh.bench.vllm_family import FamilyBenchConfig, print_family, run_family_bench
 
     config = config_from_args(FamilyBenchConfig, args)
-    console = Console(stderr=True)
-    report = run_family_bench(config, progress=console.log)
+    log = progress()
+    report = run_family_bench(config, progress=log)
     emit_report(args, report, print_family)
 
 
