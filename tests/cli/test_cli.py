@@ -82,7 +82,10 @@ def test_model_info_names_the_cache_and_config():
         ),
         (["bench", "load", "--clients", "0", "--json", "x.json"], "--clients must be at least 1"),
         (["bench", "load", "--engine", "vllm-vanilla", "--json", "x.json"], "takes --mix plain"),
-        (["bench", "capacity", "--agents", "4,x", "--json", "x.json"], "separated by commas, like 4,8,16"),
+        (
+            ["bench", "capacity", "--agents", "4,x", "--json", "x.json"],
+            "separated by commas, like 4,8,16",
+        ),
         (["bench", "capacity", "--agents", "1", "--json", "x.json"], "at least 2"),
         (["bench", "capacity", "--rounds", "1", "--json", "x.json"], "--rounds must be at least"),
         (

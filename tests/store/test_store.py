@@ -26,11 +26,11 @@ def test_a_published_entry_is_read_zero_copy_by_another_process(store):
     with store.client() as writer, store.client() as other:
         assert writer.acquire([key]).lead == (key,)
 
-        def write(target: memoryview) -> None:
-            target[:] = payload
+        def chunks():
+            yield payload
             seen_while_writing.append(other.acquire([key]))  # written, not committed
 
-        writer.publish_into(key, len(payload), write, meta={"dtype": "uint8", "shape": [65536]})
+        writer.publish_into(key, len(payload), chunks(), meta={"dtype": "uint8", "shape": [65536]})
         [during] = seen_while_writing
         assert during.hits == () and during.lead == () and during.waiting_on == key
 
@@ -122,10 +122,33 @@ def test_a_writer_that_fails_abandons_the_key(store):
     with store.client() as leader, store.client() as other:
         leader.acquire([key])
 
-        def fail(target: memoryview) -> None:
+        def fail():
+            yield bytes(512)
             raise RuntimeError("out of memory while copying")
 
         with pytest.raises(RuntimeError, match="copying"):
-            leader.publish_into(key, 1024, fail)
+            leader.publish_into(key, 1024, fail())
         assert other.acquire([key]).lead == (key,)
         assert other.stats()["reserved"] == 0 and other.stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("chunks", [[bytes(1000)], [bytes(1000), bytes(25)]], ids=["short", "long"])
+def test_chunks_that_do_not_fill_the_reservation_exactly_publish_nothing(store, chunks):
+    [key] = chain(1, seed=8)
+    with store.client() as leader, store.client() as other:
+        leader.acquire([key])
+        with pytest.raises(ValueError, match="1024"):
+            leader.publish_into(key, 1024, chunks)
+        assert other.acquire([key]).lead == (key,)
+        assert other.stats()["reserved"] == 0 and other.stats()["entries"] == 0
+
+
+def test_an_entry_written_in_chunks_reads_back_as_their_concatenation(store):
+    [key] = chain(1, seed=9)
+    parts = [b"head", bytes(range(256)) * 3, b"tail"]
+    with store.client() as writer:
+        writer.acquire([key])
+        writer.publish_into(key, sum(map(len, parts)), parts)
+        [hit] = writer.acquire([key]).hits
+        with writer.read(hit) as entry:  # its checksum verified: the chunks' chained CRC
+            assert bytes(entry.data) == b"".join(parts)

@@ -81,12 +81,8 @@ def compute(scheduler: SchedulerSide, req, tokens: int) -> None:
     saved = {}
     for save in meta.saves:
         fill = bytes([save.block_id]) * LAYOUT.block_bytes
-
-        def write(target, fill=fill):
-            target[:] = fill
-
         saved[(save.tenant, save.key)] = write_segment(
-            save.segment, save.key, LAYOUT.block_bytes, scheduler.meta_bytes, write
+            save.segment, save.key, LAYOUT.block_bytes, scheduler.meta_bytes, [fill]
         )
     scheduler.update_connector_output(saved)
 

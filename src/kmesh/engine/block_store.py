@@ -34,7 +34,7 @@ from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.store import Acquired, StoreError, StoreRefused
 from kmesh.store.policy import StorePolicy
-from kmesh.store.tensors import segment_tensor, write_tensors
+from kmesh.store.tensors import segment_tensor, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +128,8 @@ class BlockStore:
                 for index, key in ready:
                     block = self._read_block(seq.block_table[index])
                     size = block.numel() * block.element_size()
-
-                    def write(target: memoryview, block: torch.Tensor = block) -> None:
-                        write_tensors(target, [block])
-
                     try:
-                        client.publish_into(key, size, write, self.meta)
+                        client.publish_into(key, size, tensor_bytes([block]), self.meta)
                     except StoreRefused as refused:
                         log.info("kmesh store: keeping block %d local: %s", index, refused)
                     finally:

@@ -29,7 +29,7 @@ tenant is then a namespace within the key's tenant.
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -163,7 +163,7 @@ class StoreClient(Closing):
         """Map a hit's bytes and check them against its checksum (CRC-32, see protocol.py).
         A mismatch is reported to the store, which drops the entry; both raise EntryLost."""
         try:
-            mapping = map_segment(hit.name, writable=False)
+            mapping = map_segment(hit.name)
         except OSError as error:
             raise EntryLost(
                 f"entry {_short(hit.key)} is gone (evicted, dropped or the store stopped): {error}"
@@ -193,33 +193,30 @@ class StoreClient(Closing):
         """Publish a led key's payload (any C-contiguous buffer, e.g. a numpy array); see
         publish_into."""
         source = memoryview(payload).cast("B")
-
-        def copy(target: memoryview) -> None:
-            target[:] = source
-
-        self.publish_into(key, source.nbytes, copy, meta, family, next_use)
+        self.publish_into(key, source.nbytes, [source], meta, family, next_use)
 
     def publish_into(
         self,
         key: bytes,
         size: int,
-        write: Callable[[memoryview], None],
+        chunks: Iterable["Buffer"],
         meta: Mapping[str, Any] | None = None,
         family: str | None = None,
         next_use: float | None = None,
     ) -> None:
-        """Publish a led key: the store reserves `size` bytes of shared memory, `write` fills
-        them in place (keep no view of it), then the entry is committed with its checksum and
-        only then becomes visible. `meta` is a small map returned with every read (dtype,
-        shape...). With `family`, the entry is pinned for it (`next_use`: see `pin`).
+        """Publish a led key: the store reserves `size` bytes of shared memory, `chunks` fill
+        them one after another (write_segment; an iterable may make each as it is written),
+        then the entry is committed with its checksum and only then becomes visible. `meta` is
+        a small map returned with every read (dtype, shape...). With `family`, the entry is
+        pinned for it (`next_use`: see `pin`).
         StoreRefused if the store cannot fit it even after eviction (or the claim is gone); if
-        `write` raises, the key is abandoned."""
+        writing raises, the key is abandoned."""
         if family is not None:
             _check_name("family", family)
         meta_bytes = encode_meta(meta)
         name = self.reserve(key, size)
         try:
-            crc = write_segment(name, key, size, meta_bytes, write)
+            crc = write_segment(name, key, size, meta_bytes, chunks)
         except BaseException:
             with contextlib.suppress(StoreError):
                 self.abandon([key])

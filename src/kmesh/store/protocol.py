@@ -335,6 +335,10 @@ def decode_answer(body: bytes) -> AnyAnswer:
     return answer
 
 
-def checksum(key: bytes, meta: bytes, payload: "Buffer") -> int:
-    """CRC-32 of key, metadata and payload, chained (the payload is read in place, not copied)."""
-    return zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key)))
+def checksum(key: bytes, meta: bytes, *payload: "Buffer") -> int:
+    """CRC-32 of key, metadata and payload, chained (the payload is read in place, not copied);
+    a payload given in parts is checksummed as their concatenation."""
+    crc = zlib.crc32(meta, zlib.crc32(key))
+    for part in payload:
+        crc = zlib.crc32(part, crc)
+    return crc

@@ -6,7 +6,7 @@ engines only: the store process has no torch.
 """
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -20,11 +20,8 @@ def segment_tensor(data: memoryview) -> torch.Tensor:
         return torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
 
 
-def write_tensors(target: memoryview, tensors: Iterable[torch.Tensor]) -> None:
-    """Fill `target` with the bytes of `tensors`, one after another (each contiguous)."""
-    out = np.frombuffer(target, dtype=np.uint8)
-    offset = 0
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> Iterator[memoryview]:
+    """The bytes of `tensors` (each contiguous, on the CPU), one after another, as views of
+    their memory (no copy): the chunks `write_segment` writes."""
     for tensor in tensors:
-        data = tensor.reshape(-1).view(torch.uint8).cpu().numpy()
-        out[offset : offset + data.size] = data
-        offset += data.size
+        yield tensor.reshape(-1).view(torch.uint8).cpu().numpy().data

@@ -25,7 +25,7 @@ from kmesh.recovery.requests import RequestRecovery
 from kmesh.store import StoreError, TenantClients
 from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.shared.state import shared_through
-from kmesh.store.tensors import segment_tensor, write_tensors
+from kmesh.store.tensors import segment_tensor, tensor_bytes
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import (
     CopyTail,
@@ -228,12 +228,10 @@ class WorkerSide:
                 self._saved[(save.tenant, save.key)] = None
                 continue
 
-            def write(target: memoryview, block_id: int = save.block_id) -> None:
-                write_tensors(target, (layer[block_id] for layer in self._layers))
-
+            pages = tensor_bytes(layer[save.block_id] for layer in self._layers)
             try:
                 crc = write_segment(
-                    save.segment, save.key, self.layout.block_bytes, self.meta_bytes, write
+                    save.segment, save.key, self.layout.block_bytes, self.meta_bytes, pages
                 )
             except StoreError as error:
                 log.warning("kmesh: block %d not saved: %s", save.block_id, error)

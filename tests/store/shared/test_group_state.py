@@ -16,7 +16,7 @@ from kmesh.store.shared.group_state import (
     read_piece,
     restore_piece,
 )
-from kmesh.store.tensors import write_tensors
+from kmesh.store.tensors import tensor_bytes
 from tests.store.helpers import corrupt_segment
 
 CONFIG = ModelConfig.from_hf(TINY_HF_CONFIG)
@@ -81,9 +81,8 @@ def test_a_master_entry_holds_its_rows_without_the_blocks_padding_and_reads_back
     size, tensors, header = master_payload(master)
     row_bytes = 2 * LAYERS * HEADS * DIM * 4
     assert size == len(header) + (5 + 16 + 23) * row_bytes < master.nbytes
-    data = memoryview(bytearray(size))
-    data[: len(header)] = header
-    write_tensors(data[len(header) :], tensors)
+    data = memoryview(b"".join([header, *tensor_bytes(tensors)]))
+    assert data.nbytes == size
     read = read_master(data, CONFIG)
     assert torch.equal(read.blocks, master.blocks)
     assert master_fields(read) == master_fields(master)

@@ -38,7 +38,7 @@ from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest, res
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
-from kmesh.store.tensors import segment_tensor, write_tensors
+from kmesh.store.tensors import segment_tensor, tensor_bytes
 
 _HEADER = struct.Struct("<I")
 # (size in bytes, the tensors in order, the header bytes before them)
@@ -277,12 +277,7 @@ def publish(
     """Publish a led key's payload (`master_payload`, `piece_payload`); see
     StoreClient.publish_into."""
     size, tensors, header = payload
-
-    def write(target: memoryview) -> None:
-        target[: len(header)] = header
-        write_tensors(target[len(header) :], tensors)
-
-    client.publish_into(key, size, write, None, family, next_use)
+    client.publish_into(key, size, [header, *tensor_bytes(tensors)], None, family, next_use)
 
 
 _MIRROR_TENSORS = ("block_table", "token_slots", "positions", "diff_index", "diff_blocks")
