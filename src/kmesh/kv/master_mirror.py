@@ -346,5 +346,5 @@ def kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:
     """SHA-256 hex of the contiguous bytes of k then v (for bit-identity checks)."""
     digest = hashlib.sha256()
     for x in (k, v):
-        digest.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
