@@ -43,6 +43,9 @@ from kmesh.store.tensors import segment_tensor, tensor_bytes
 _HEADER = struct.Struct("<I")
 # (size in bytes, the tensors in order, the header bytes before them)
 Payload = tuple[int, list[torch.Tensor], bytes]
+# Where a payload's tensor lies: its byte offset, and a tensor of its dtype and shape on the meta
+# device (no memory).
+TensorAt = tuple[int, torch.Tensor]
 _FORMAT = 2
 T = TypeVar("T")
 
@@ -301,28 +304,33 @@ def _payload(kind: str, head: dict[str, Any], tensors: dict[str, torch.Tensor]) 
 def _unpack(kind: str, data: memoryview) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A payload's head and its tensors (copied out of `data`). StoreError if it is not a
     `kind` payload of this format."""
+    head, placed = describe(kind, data)
+    flat = segment_tensor(data)
+    tensors = {}
+    for name, (offset, t) in placed.items():
+        tensors[name] = flat[offset : offset + _bytes(t)].clone().view(t.dtype).view(t.shape)
+    return head, tensors
+
+
+def describe(kind: str, data: memoryview) -> tuple[dict[str, Any], dict[str, TensorAt]]:
+    """A payload's head and where each tensor lies in `data` (nothing read but the header).
+    StoreError if it is not a `kind` payload of this format."""
     try:
         (length,) = _HEADER.unpack_from(data)
         body = msgspec.msgpack.decode(data[_HEADER.size : _HEADER.size + length])
         if body["format"] != _FORMAT or body["kind"] != kind:
             raise ValueError(f"a {body['kind']} payload of format {body['format']}")
-        return body["head"], _tensors(data, _HEADER.size + length, body["tensors"])
+        offset = _HEADER.size + length
+        placed = {}
+        for name, dtype, shape in body["tensors"]:
+            meta = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            placed[name] = (offset, meta)
+            offset += _bytes(meta)
+        if offset > data.nbytes:
+            raise ValueError("the payload is shorter than its header says")
+        return body["head"], placed
     except _MALFORMED as e:
         raise StoreError(f"not a {kind} entry of format {_FORMAT}: {e}") from None
-
-
-def _tensors(data: memoryview, offset: int, described: list[Any]) -> dict[str, torch.Tensor]:
-    """The described tensors, copied out of `data` from `offset` on (no view of it is kept)."""
-    flat = segment_tensor(data)
-    tensors = {}
-    for name, dtype, shape in described:
-        empty = torch.empty(shape, dtype=getattr(torch, dtype))
-        size = _bytes(empty)
-        if offset + size > flat.numel():
-            raise ValueError("the payload is shorter than its header says")
-        tensors[name] = flat[offset : offset + size].clone().view(empty.dtype).view(empty.shape)
-        offset += size
-    return tensors
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -32,11 +32,9 @@ Every store failure is a miss or a piece not kept; the job computes what it lack
 """
 
 import logging
-from collections import OrderedDict
 
 import torch
 
-from kmesh.kv.master_mirror import Master
 from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RoundMirrors
 from kmesh.recovery.prefix_tails import boundaries
 from kmesh.recovery.shared import Chain, Restored
@@ -48,18 +46,16 @@ from kmesh.store.shared.group_state import (
     Piece,
     PieceMismatch,
     fetch,
-    fetch_master,
     gives_back,
     piece_payload,
     publish,
     read_piece,
     restore_piece,
 )
+from kmesh.store.shared.master_blocks import ReadMasters
 from kmesh.store.shared.masters import StoreMasters
 
 log = logging.getLogger(__name__)
-# Masters read from the store kept for the next restores (a round's members read the same one).
-MASTERS_KEPT = 2
 
 
 class StoreTranscripts:
@@ -70,8 +66,9 @@ class StoreTranscripts:
         self.clients = masters.clients
         self.fingerprint = masters.fingerprint
         self.config = masters.config
-        # The masters read last, by store key: a round's members restored here read it once.
-        self._read_masters: OrderedDict[bytes, Master] = OrderedDict()
+        # The masters read last, by store key: a round's members restored here read each of
+        # their blocks once.
+        self._read_masters = ReadMasters(self.config)
 
     def restore(self, job: RecoveryJob, have: int) -> Restored:
         """The job's transcript as far as the store holds it, and its rows after job.start if
@@ -193,22 +190,13 @@ class StoreTranscripts:
         piece, size = fetched
         master = None
         if piece.master is not None:
-            master = self._read_masters.get(piece.master)
-            if master is None:
-                read = fetch_master(client, piece.master, self.config)
-                if read is None:
-                    raise PieceMismatch("the piece's master was evicted")
-                master, master_size = read
-                size += master_size
-                self._read_masters[piece.master] = master
-                while len(self._read_masters) > MASTERS_KEPT:
-                    self._read_masters.popitem(last=False)
-            self._read_masters.move_to_end(piece.master)
+            master, master_size = self._read_masters.for_piece(client, piece)
+            size += master_size
         try:
             return restore_piece(piece, master, self.config), size
         except PieceMismatch:
             if piece.master is not None:  # a master replaced since: read it again next time
-                self._read_masters.pop(piece.master, None)
+                self._read_masters.forget(piece.master)
             raise
 
     def _piece(
