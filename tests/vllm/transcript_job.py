@@ -1,5 +1,5 @@
 """The vLLM side of tests/vllm/test_transcripts.py, run as its own process (vLLM spawns workers):
-`python tests/vllm/transcript_job.py OUT_DIR`. Writes OUT_DIR/result.json.
+`python tests/vllm/transcript_job.py OUT_DIR [AGENT_RATIO]`. Writes OUT_DIR/result.json.
 
 A council of three agents (kmesh/workloads/allgather.py, the collective strategy's requests:
 segments, a family, each round declared) on two "machines": two stores, each with its own
@@ -7,6 +7,8 @@ shared memory tier, in front of one remote tier (a mooncake_master on loopback p
 A, on store A, runs rounds 1 and 2 of every agent, then agent 1's round 3; A stops, and store A
 has written everything through. Instance B, started fresh on store B, runs agent 1's round 3
 again (its transcript comes through the remote tier), then the same prompt under another salt.
+With AGENT_RATIO (default 0, what the test runs), each mirrored member recomputes that share of
+its mirrored blocks (kv_deviation): its pieces carry diff blocks.
 """
 
 import json
@@ -19,7 +21,7 @@ AGENTS = 3
 OUTPUT_TOKENS = 24
 
 
-def main(out_dir: Path) -> None:
+def main(out_dir: Path, agent_ratio: float = 0.0) -> None:
     from vllm import LLM, SamplingParams
 
     from kmesh.bench.allgather_config import AllGatherBenchConfig
@@ -29,7 +31,8 @@ def main(out_dir: Path) -> None:
     from kmesh.vllm.config import vllm_engine_kwargs
     from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, Council
 
-    cfg = AllGatherBenchConfig(policy="none", gate=None)
+    policy = "kv_deviation" if agent_ratio else "none"
+    cfg = AllGatherBenchConfig(policy=policy, agent_ratio=agent_ratio, gate=None)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS)
     master = MasterProcess(out_dir)
     master.start()
@@ -91,4 +94,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *(float(a) for a in sys.argv[2:3]))
