@@ -1,10 +1,12 @@
 """A real store process and real client processes: publish, look up, single flight, tenants."""
 
+import errno
 import mmap
 
 import numpy as np
 import pytest
 
+from kmesh.store.errors import StoreUnavailable
 from kmesh.store.protocol import PROTOCOL_VERSION, Acquired, decode_answer
 from tests.store.helpers import (
     SPAWN,
@@ -141,6 +143,24 @@ def test_chunks_that_do_not_fill_the_reservation_exactly_publish_nothing(store, 
             leader.publish_into(key, 1024, chunks)
         assert other.acquire([key]).lead == (key,)
         assert other.stats()["reserved"] == 0 and other.stats()["entries"] == 0
+
+
+def test_a_segment_that_takes_no_write_is_a_store_error_and_the_key_is_abandoned(
+    store, monkeypatch
+):
+    [key] = chain(1, seed=10)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with store.client() as leader, store.client() as other:
+        leader.acquire([key])
+        monkeypatch.setattr("kmesh.store.segments.os.pwrite", full)
+        with pytest.raises(StoreUnavailable, match="took no write"):
+            leader.publish_into(key, 1024, [bytes(1024)])
+        monkeypatch.undo()
+        assert other.acquire([key]).lead == (key,)
+        assert other.stats()["reserved"] == 0
 
 
 def test_an_entry_written_in_chunks_reads_back_as_their_concatenation(store):

@@ -77,8 +77,8 @@ def write_segment(
     """Fill a reserved segment with `chunks`, one after another, `size` bytes in all, and
     return the checksum to commit. The bytes go through the segment's file (pwrite), not a
     mapping: mapping, faulting in and unmapping a segment cost vLLM's worker, whose other
-    threads run on every core, 5-10x the copy itself. StoreUnavailable if the segment is gone;
-    ValueError (nothing committed) if the chunks do not add up to `size`."""
+    threads run on every core, 5-10x the copy itself. StoreUnavailable if the segment is gone
+    or takes no write; ValueError (nothing committed) if the chunks do not add up to `size`."""
     try:
         fd = _open_segment(name, os.O_WRONLY)
     except OSError as error:
@@ -92,7 +92,10 @@ def write_segment(
                 raise ValueError(f"the chunks exceed the {size} bytes reserved")
             written.append(view)
             while view.nbytes:
-                count = os.pwrite(fd, view, offset)
+                try:
+                    count = os.pwrite(fd, view, offset)
+                except OSError as error:  # not expected: its pages were allocated when made
+                    raise StoreUnavailable(f"the reserved segment took no write: {error}") from None
                 view, offset = view[count:], offset + count
         if offset != size:
             raise ValueError(f"the chunks hold {offset} bytes, {size} were reserved")
