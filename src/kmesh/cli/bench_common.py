@@ -41,15 +41,12 @@ def add_config_flag(
     defaults: "DataclassInstance",
     name: str,
     help: str = "",
-    *,
-    unset: bool = False,
     **options: Any,
 ) -> None:
     """--name for the config field `name` (dashes for underscores): its default and, unless
     `options` give one or choices, its type come from `defaults` (the config made with its own
     defaults: the one place a bench sets them), and its help says the default. A tuple field
-    takes its items comma-separated, as text the handler parses (`agent_counts`). `unset`: the
-    flag defaults to None, so that a handler can tell whether it was given."""
+    takes its items comma-separated, as text `config_from_args` splits."""
     value = getattr(defaults, name)
     if isinstance(value, tuple):
         value = ",".join(map(str, value))
@@ -57,7 +54,7 @@ def add_config_flag(
         options["type"] = type(value)
     parser.add_argument(
         f"--{name.replace('_', '-')}",
-        default=None if unset else value,
+        default=value,
         help=f"{help} (default {value})" if help and value != "" else help or f"default {value}",
         **options,
     )

@@ -4,11 +4,12 @@ what it read of each master, so a round's members restored on one engine read ea
 
 A master entry holds its segments' rows packed (no block padding); master block b of segment s
 is that segment's rows [(b - first) * block_size, ...) up to its length, so a block's rows are
-one contiguous run per layer of K and of V in the entry. What is read counts the header and those
-rows. A master kept here and the entry it was read from must have the same geometry (segment
-lengths and starts, block size, dtype); a different one under the same key (a master replaced)
-is refused, and a replaced master of the same geometry is caught by the pieces' digests
-(PieceMismatch: the caller forgets the master and recomputes).
+one contiguous run per layer of K and of V in the entry (one strided copy for K, one for V).
+What is read counts the header and those rows. A master kept here and the entry it was read
+from must have the same geometry (segment lengths and starts, block size, dtype); a different
+one under the same key (a master replaced) is refused, and a replaced master of the same
+geometry is caught by the pieces' digests (PieceMismatch: the caller forgets the master and
+recomputes).
 """
 
 import bisect
@@ -72,10 +73,13 @@ def read_master_blocks(
         if segment < 0 or lo >= hi:
             raise StoreError(f"the master entry has no block {b}")
         for kv, at in enumerate((k_at, v_at)):
-            for layer in range(layers):
-                source = at + (layer * total + packed_at[segment] + lo) * row
-                target = master.blocks[b, kv, layer, : hi - lo].reshape(-1).view(torch.uint8)
-                target.copy_(flat[source : source + (hi - lo) * row])
+            target = master.blocks[b, kv, :, : hi - lo].view(torch.uint8)  # [L, n, H, D bytes]
+            source = flat.as_strided(  # the same rows of every layer of the packed [L, T, H, D]
+                target.shape,
+                (total * row, row, row // heads, 1),
+                at + (packed_at[segment] + lo) * row,
+            )
+            target.copy_(source)
         nbytes += 2 * layers * (hi - lo) * row
     return master, nbytes
 
