@@ -55,18 +55,16 @@ def test_warm_segments_fill_only_the_free_capacity():
         tier.close()
 
 
-def test_a_size_most_asked_for_replaces_the_warm_one_and_a_stray_size_does_not():
-    tier = SharedMemoryTier(capacity=20 * SIZE, prewarm=2 * SIZE)
+def test_a_new_size_frees_the_warm_segments_of_the_old_one():
+    tier = SharedMemoryTier(capacity=10 * SIZE, prewarm=2 * SIZE)
     try:
         first = tier.reserve(SIZE)
         _warm_settles(tier, 2 * SIZE)
         old = _segments(first) - {first}
-        stray = tier.reserve(2 * SIZE)  # 1 of 2 asks: SIZE stays warm
-        assert len(old) == 2 and old <= _segments(first) and tier.stats().warm == 2 * SIZE
-        second = tier.reserve(2 * SIZE)  # 2 of 3: now the size kept warm
-        assert not old & _segments(first)
+        second = tier.reserve(2 * SIZE)
+        assert len(old) == 2 and not old & _segments(first)
         _warm_settles(tier, 2 * SIZE)
-        (new,) = _segments(first) - {first, stray, second}
+        (new,) = _segments(first) - {first, second}
         assert (SHM / new).stat().st_size == 2 * SIZE
     finally:
         tier.close()

@@ -10,10 +10,8 @@ those faults in a thread of its own.
 
 `WarmSegments`' contract:
 - `take(size)` never blocks: a warm segment of exactly `size` bytes (zero-filled, its pages
-  allocated and touched), or None. The size kept warm is the one most asked for among the last
-  `WINDOW` calls, once it is more than half of them (in practice one engine layout's block
-  size, beside group state of every size); when it changes, the warm segments of the old one
-  are freed.
+  allocated and touched), or None. Each call makes `size` the one kept warm: the latest asked
+  for wins (in practice one engine layout's block size); warm segments of another size are freed.
 - It holds at most `target` bytes, and fills only into the tier's free capacity (`headroom()`),
   so warm segments never push an entry out.
 - `close()` stops its thread and frees every warm segment; a segment handed out is the taker's.
@@ -23,7 +21,7 @@ import logging
 import os
 import secrets
 import threading
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -32,7 +30,6 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _ZEROS = bytes(1 << 20)  # touched once, written from as often as needed
-WINDOW = 64
 
 
 def create_segment(name: str, size: int, touch: bool = False) -> None:
@@ -73,8 +70,6 @@ class WarmSegments:
         self._lock = threading.Lock()
         self._warm: deque[str] = deque()
         self._size = 0  # the size kept warm; 0 until one is asked for
-        self._asked: deque[int] = deque(maxlen=WINDOW)
-        self._counts: Counter[int] = Counter()
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._fill, name="kmesh-warm-segments", daemon=True)
@@ -87,18 +82,11 @@ class WarmSegments:
             return len(self._warm) * self._size
 
     def take(self, size: int) -> str | None:
-        if len(self._asked) == WINDOW:
-            oldest = self._asked[0]
-            self._counts[oldest] -= 1
-            if not self._counts[oldest]:
-                del self._counts[oldest]
-        self._asked.append(size)
-        self._counts[size] += 1
-        stale: list[str] = []
         with self._lock:
-            if size != self._size and self._counts[size] * 2 > len(self._asked):
+            stale: list[str] = []
+            if size != self._size:
                 stale, self._warm, self._size = list(self._warm), deque(), size
-            name = self._warm.popleft() if self._warm and size == self._size else None
+            name = self._warm.popleft() if self._warm else None
         for old in stale:
             unlink_segment(old)
         self._wake.set()
