@@ -12,7 +12,7 @@ from kmesh.engine.request import Request, SamplingParams
 from kmesh.engine.sequence import Sequence
 from kmesh.state.keys import KeyNamespace, block_key
 from kmesh.store.client import STORE_KEY_ENV
-from kmesh.store.shm_segments import SHM_DIR
+from kmesh.store.tier import SHM_DIR
 from tests.conftest import random_tokens
 
 PROMPT = tuple(random_tokens(100, seed=11))  # 6 full blocks of 16 before the last token

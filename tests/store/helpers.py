@@ -15,7 +15,7 @@ from kmesh.state.keys import BlockHash, KeyNamespace, block_key
 from kmesh.store import StoreClient
 from kmesh.store.client import Hit
 from kmesh.store.protocol import read_frame
-from kmesh.store.shm_segments import SHM_DIR
+from kmesh.store.tier import SHM_DIR
 
 PAYLOAD_BYTES = 64 * 1024
 SPAWN = multiprocessing.get_context("spawn")

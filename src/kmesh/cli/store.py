@@ -5,10 +5,6 @@ import argparse
 from kmesh.cli.common import Commands
 from kmesh.coord.future_use import RETENTIONS
 
-# Nearly three of vLLM's largest steps: 2048 batched tokens are 64 blocks of 32 tokens, 94 MB
-# for the embedded model in float32 (docs/STORE.md measures it).
-DEFAULT_PREWARM = "256M"
-
 
 def _store_serve(args: argparse.Namespace) -> None:
     from kmesh.state.tenants import load_api_keys
@@ -16,7 +12,6 @@ def _store_serve(args: argparse.Namespace) -> None:
     from kmesh.store.server import parse_size, serve
 
     capacity = parse_size(args.capacity)
-    prewarm = parse_size(args.prewarm, "--prewarm", least=0)
     api_keys = None if args.api_keys is None else load_api_keys(args.api_keys)
     remote = None
     if args.remote is not None:
@@ -34,7 +29,7 @@ def _store_serve(args: argparse.Namespace) -> None:
                 flush=True,
             )
 
-    serve(args.socket, capacity, args.lease, ready, api_keys, args.retention, remote, prewarm)
+    serve(args.socket, capacity, args.lease, ready, api_keys, args.retention, remote)
 
 
 def register(commands: Commands) -> None:
@@ -46,13 +41,6 @@ def register(commands: Commands) -> None:
     store_serve.add_argument("--socket", required=True, help="Unix socket path to listen on")
     store_serve.add_argument(
         "--capacity", required=True, help="payload bytes to hold, like 512M, 2G or 1048576"
-    )
-    store_serve.add_argument(
-        "--prewarm",
-        default=DEFAULT_PREWARM,
-        help="bytes of segments to make ahead of need, in the capacity left free, so a writer "
-        f"does not pay the first touch of fresh memory (default {DEFAULT_PREWARM}; 0: none; "
-        "docs/STORE.md)",
     )
     store_serve.add_argument(
         "--lease",

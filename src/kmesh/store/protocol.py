@@ -212,7 +212,6 @@ class StatsInfo(Answer, frozen=True, tag="stats"):
     entries: int = 0
     pinned: int = 0
     reserved: int = 0
-    warm: int = 0  # bytes of segments made ahead of need (shm_segments.py), beside `used`
     claims: int = 0
     waiters: int = 0
     connections: int = 0

@@ -14,7 +14,7 @@ import msgspec
 from kmesh.store.closing import Closing
 from kmesh.store.errors import StoreUnavailable
 from kmesh.store.protocol import MAX_META_BYTES, checksum
-from kmesh.store.shm_segments import SHM_DIR
+from kmesh.store.tier import SHM_DIR
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -92,7 +92,6 @@ class StoreServer:
         api_keys: ApiKeys | None = None,
         retention: str = "future_use",
         remote: RemoteConfig | None = None,
-        prewarm: int = 0,
     ) -> None:
         self.path = Path(socket_path)
         self._resolved: deque[Resolved | Probed | Written] = (
@@ -103,8 +102,7 @@ class StoreServer:
         if remote is not None:
             front = RemoteFront(grace=remote.lease)
             self._worker = start_worker(remote, self._arrived)
-        tier = SharedMemoryTier(capacity, retention, prewarm)
-        self.store = Store(tier, lease, api_keys, front)
+        self.store = Store(SharedMemoryTier(capacity, retention), lease, api_keys, front)
         self._listener = _listen(self.path)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -305,15 +303,13 @@ def serve(
     api_keys: ApiKeys | None = None,
     retention: str = "future_use",
     remote: RemoteConfig | None = None,
-    prewarm: int = 0,
 ) -> None:
     """Run a store on `socket_path` until SIGTERM or SIGINT; `on_ready` is called once it
     accepts connections. `api_keys`: connections must say hello with one (module docstring);
-    `remote`: the remote tier it stands in front of; `prewarm`: bytes of segments made ahead of
-    need (store/shm_segments.py)."""
+    `remote`: the remote tier it stands in front of."""
     if not lease > 0:  # NaN too
         raise InvalidRequestError(f"--lease must be a positive number of seconds, got {lease}")
-    server = StoreServer(socket_path, capacity, lease, api_keys, retention, remote, prewarm)
+    server = StoreServer(socket_path, capacity, lease, api_keys, retention, remote)
     shm = Path("/dev/shm")
     if shm.is_dir():
         stat = os.statvfs(shm)

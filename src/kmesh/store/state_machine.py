@@ -300,7 +300,6 @@ class Store:
             entries=tier.entries,
             pinned=tier.pinned,
             reserved=tier.reserved,
-            warm=tier.warm,
             claims=self.flight.num_claims,
             waiters=self.flight.num_waiters,
             connections=len(self.sessions) - 1,  # not the proxy

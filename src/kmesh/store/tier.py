@@ -14,9 +14,7 @@ hard). A reserve evicts in that order until the payload fits, and is refused wit
 anything when it could not fit even then (too large for the store, or the rest reserved, or
 pinned under lru). Segments are
 created zero-filled with their pages allocated (posix_fallocate), so a writer can never be killed
-by SIGBUS on a full /dev/shm, and with `prewarm` some are made and touched ahead of need, so a
-writer does not pay the first touch (shm_segments.py); the store process keeps no mapping or
-descriptor open per entry.
+by SIGBUS on a full /dev/shm; the store process keeps no mapping or descriptor open per entry.
 A segment that a client still maps when it is unlinked stays readable by that client until it
 closes its mapping (POSIX semantics), so eviction never pulls state from under a reader.
 
@@ -25,17 +23,20 @@ there and copies the bytes into a reserved local segment (`fill`), so clients on
 segment handles (remote/front.py).
 """
 
+import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Protocol
 
 from kmesh.coord.future_use import EvictionOrder
 from kmesh.errors import KMeshError
-from kmesh.store.shm_segments import WarmSegments, create_segment, unlink_segment
 
 EntryId = tuple[bytes, str | None]
 """(key, tenant): entries of different tenants never meet, even under the same key."""
+
+SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared memory
 
 
 class CapacityError(KMeshError):
@@ -62,7 +63,6 @@ class TierStats:
     entries: int
     pinned: int  # entries with at least one pin
     reserved: int  # reservations not committed yet
-    warm: int  # bytes of segments made ahead of need, not in `used`
     evicted: int
     dropped: int
 
@@ -102,12 +102,37 @@ class Tier(Protocol):
         """Forget everything and free every segment."""
 
 
+def _create_segment(name: str, size: int) -> None:
+    segment = shared_memory.SharedMemory(name, create=True, size=size)
+    try:
+        path = SHM_DIR / name
+        if path.exists():  # Linux: allocate the pages now, so writing them cannot fail later
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+    except OSError:
+        segment.close()
+        segment.unlink()
+        raise
+    segment.close()
+
+
+def _unlink_segment(name: str) -> None:
+    try:
+        segment = shared_memory.SharedMemory(name)
+    except FileNotFoundError:  # already gone (removed by hand, or by a crashed store's tracker)
+        return
+    segment.close()
+    segment.unlink()
+
+
 class SharedMemoryTier:
     """Entries in POSIX shared memory, at most `capacity` payload bytes, evicted in the order of
-    `retention` (kmesh/coord/future_use.py); with `prewarm`, up to that many bytes of segments
-    are made ahead of need, in the capacity left free (shm_segments.py)."""
+    `retention` (kmesh/coord/future_use.py)."""
 
-    def __init__(self, capacity: int, retention: str = "future_use", prewarm: int = 0) -> None:
+    def __init__(self, capacity: int, retention: str = "future_use") -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
@@ -119,11 +144,6 @@ class SharedMemoryTier:
         self._serial = 0
         self._evicted = 0
         self._dropped = 0
-        self._warm = (
-            WarmSegments(self._prefix, prewarm, lambda: self.capacity - self._used)
-            if prewarm > 0
-            else None
-        )
 
     @property
     def retention(self) -> str:
@@ -156,16 +176,13 @@ class SharedMemoryTier:
             assert victim is not None  # evictable bytes cover the excess
             self._remove(victim)
             self._evicted += 1
-        name = self._warm.take(size) if self._warm is not None else None
-        if name is None:
-            name = self._prefix + secrets.token_hex(12)
-            try:
-                create_segment(name, size)
-            except OSError as error:
-                raise CapacityError(
-                    "no_memory",
-                    f"could not create a shared memory segment of {size} bytes: {error}",
-                ) from None
+        name = self._prefix + secrets.token_hex(12)
+        try:
+            _create_segment(name, size)
+        except OSError as error:
+            raise CapacityError(
+                "no_memory", f"could not create a shared memory segment of {size} bytes: {error}"
+            ) from None
         self._reserved[name] = size
         self._used += size
         return name
@@ -180,7 +197,7 @@ class SharedMemoryTier:
 
     def cancel(self, name: str) -> None:
         self._used -= self._reserved.pop(name)
-        unlink_segment(name)
+        _unlink_segment(name)
 
     def commit(self, ident: EntryId, name: str, checksum: int, meta: bytes) -> StoredEntry:
         size = self._reserved.pop(name)
@@ -220,14 +237,11 @@ class SharedMemoryTier:
             entries=len(self._entries),
             pinned=self._order.pinned,
             reserved=len(self._reserved),
-            warm=0 if self._warm is None else self._warm.held,
             evicted=self._evicted,
             dropped=self._dropped,
         )
 
     def close(self) -> None:
-        if self._warm is not None:
-            self._warm.close()
         names = [entry.name for entry in self._entries.values()]
         names += list(self._reserved)
         for ident in list(self._entries):
@@ -236,7 +250,7 @@ class SharedMemoryTier:
         self._reserved.clear()
         self._used = 0
         for name in names:
-            unlink_segment(name)
+            _unlink_segment(name)
 
     def _remove(self, ident: EntryId, name: str | None = None) -> bool:
         entry = self._entries.get(ident)
@@ -249,4 +263,4 @@ class SharedMemoryTier:
 
     def _free(self, entry: StoredEntry) -> None:
         self._used -= entry.size
-        unlink_segment(entry.name)
+        _unlink_segment(entry.name)
