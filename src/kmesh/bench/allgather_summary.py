@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kmesh.bench.common import hardware
+from kmesh.bench.divergence_signals import signal_rows
 from kmesh.bench.quality import Quality
 
 
@@ -67,6 +68,8 @@ def summary_of(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
         "fallbacks": run.fallbacks,
         "check_deviation_max": round(max(run.deviations), 4) if run.deviations else None,
         "quality": quality.as_dict(),
+        # Per prompt of rounds >= 1: what recovery saw and whether the output diverged.
+        "signals": signal_rows(run, reference),
         **run.extra,
     }
 

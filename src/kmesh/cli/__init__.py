@@ -22,6 +22,7 @@ from kmesh.cli import (
     bench_load,
     bench_lora,
     bench_restore,
+    bench_signals,
     bench_vllm_family,
     demo,
     generate,
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_load,
         bench_capacity,
         bench_agents,
+        bench_signals,
     ):
         command.register(benches)
     adapters.register(commands)

@@ -1,0 +1,69 @@
+"""The margin signal: its rows from a run, a threshold fitted on some prompts and scored on
+others, and `kmesh bench signals` over bench JSONs."""
+
+import json
+
+import pytest
+import torch
+
+from kmesh.bench.allgather_summary import StrategyRun
+from kmesh.bench.divergence_signals import fit, score, signal_rows, top1_margin
+from tests.conftest import run_kmesh
+
+
+def _row(margin: float, diverged: bool) -> dict:
+    return {"margin": margin, "diverged": diverged}
+
+
+def test_the_margin_is_the_gap_between_the_two_most_likely_tokens():
+    logits = torch.log(torch.tensor([0.1, 0.6, 0.3]))
+    assert top1_margin(logits) == pytest.approx(0.3)
+
+
+def test_rows_say_which_prompts_diverged_and_what_recovery_saw():
+    reference, run = StrategyRun("full"), StrategyRun("collective")
+    for key, (ref, got) in {(1, 0): ([3, 4], [3, 4]), (1, 1): ([3, 4], [3, 5])}.items():
+        reference.logits[key] = torch.tensor([0.0, 2.0, 1.0])
+        run.logits[key] = torch.tensor([0.0, 1.0, 1.0]) if key == (1, 1) else torch.zeros(3)
+        reference.greedy[key], run.greedy[key] = ref, got
+    rows = signal_rows(run, reference)
+    assert [(r["round"], r["agent"], r["diverged"]) for r in rows] == [(1, 0, False), (1, 1, True)]
+    assert rows[1]["margin"] == 0.0 and rows[1]["reference_margin"] > 0.2 and rows[1]["kl"] > 0
+
+
+def test_the_fit_separates_low_margins_and_the_score_counts_precision_and_recall():
+    rows = [_row(0.05, True), _row(0.1, True), _row(0.2, False), _row(0.5, False), _row(0.9, False)]
+    fitted = fit(rows)
+    assert 0.1 < fitted.threshold <= 0.2 and fitted.precision == 1.0 and fitted.recall == 1.0
+    held_out = [_row(0.02, True), _row(0.08, False), _row(0.3, True), _row(0.8, False)]
+    scored = score(held_out, fitted.threshold)
+    assert (scored.predicted, scored.caught, scored.diverged) == (2, 1, 2)
+    assert scored.precision == 0.5 and scored.recall == 0.5
+
+
+def test_with_nothing_diverged_the_fit_predicts_nothing():
+    fitted = fit([_row(0.1, False), _row(0.7, False)])
+    assert fitted.threshold == 0.0 and fitted.predicted == 0 and fitted.recall is None
+
+
+def test_the_cli_fits_on_one_set_of_files_and_scores_on_another(tmp_path):
+    def bench_json(name, rows):
+        strategies = {s: {"signals": rows} for s in ("per_request", "collective")}
+        path = tmp_path / name
+        path.write_text(json.dumps({"strategies": strategies}))
+        return str(path)
+
+    fit_on = bench_json("a.json", [_row(0.05, True), _row(0.6, False)])
+    test_on = bench_json("b.json", [_row(0.01, True), _row(0.3, True), _row(0.9, False)])
+    out = tmp_path / "signals.json"
+    result = run_kmesh(
+        "bench", "signals", "--fit", fit_on, "--test", test_on, "--json", str(out), timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["fit_on"] == ["a.json"] and report["test_on"] == ["b.json"]
+    tested = report["margin"]["all"]["test"]
+    assert tested["prompts"] == 6 and tested["caught"] == 2 and tested["recall"] == 0.5
+    again = run_kmesh("bench", "signals", "--fit", fit_on, "--test", fit_on, "--json", str(out))
+    assert again.returncode == 2 and "different files" in again.stderr
+    assert "Traceback" not in again.stderr
