@@ -11,8 +11,8 @@ from kmesh.bench.divergence_signals import fit, score, signal_rows, top1_margin
 from tests.conftest import run_kmesh
 
 
-def _row(margin: float, diverged: bool) -> dict:
-    return {"margin": margin, "diverged": diverged}
+def _row(margin: float, diverged: bool, deviation: float | None = None) -> dict:
+    return {"margin": margin, "deviation": deviation, "diverged": diverged}
 
 
 def test_the_margin_is_the_gap_between_the_two_most_likely_tokens():
@@ -22,6 +22,7 @@ def test_the_margin_is_the_gap_between_the_two_most_likely_tokens():
 
 def test_rows_say_which_prompts_diverged_and_what_recovery_saw():
     reference, run = StrategyRun("full"), StrategyRun("collective")
+    run.deviations[(1, 1)] = 0.05
     for key, (ref, got) in {(1, 0): ([3, 4], [3, 4]), (1, 1): ([3, 4], [3, 5])}.items():
         reference.logits[key] = torch.tensor([0.0, 2.0, 1.0])
         run.logits[key] = torch.tensor([0.0, 1.0, 1.0]) if key == (1, 1) else torch.zeros(3)
@@ -29,6 +30,7 @@ def test_rows_say_which_prompts_diverged_and_what_recovery_saw():
     rows = signal_rows(run, reference)
     assert [(r["round"], r["agent"], r["diverged"]) for r in rows] == [(1, 0, False), (1, 1, True)]
     assert rows[1]["margin"] == 0.0 and rows[1]["reference_margin"] > 0.2 and rows[1]["kl"] > 0
+    assert rows[0]["deviation"] is None and rows[1]["deviation"] == 0.05
 
 
 def test_the_fit_separates_low_margins_and_the_score_counts_precision_and_recall():
@@ -41,9 +43,18 @@ def test_the_fit_separates_low_margins_and_the_score_counts_precision_and_recall
     assert scored.precision == 0.5 and scored.recall == 0.5
 
 
+def test_a_deviation_above_the_threshold_predicts_divergence_and_an_unchecked_prompt_is_not():
+    rows = [_row(0.5, True, 0.2), _row(0.5, True, None), _row(0.5, False, 0.01)]
+    fitted = fit(rows, "deviation")
+    assert 0.01 <= fitted.threshold < 0.2 and (fitted.predicted, fitted.caught) == (1, 1)
+    assert fitted.recall == 0.5
+
+
 def test_with_nothing_diverged_the_fit_predicts_nothing():
-    fitted = fit([_row(0.1, False), _row(0.7, False)])
+    fitted = fit([_row(0.1, False, 0.3), _row(0.7, False, 0.5)])
     assert fitted.threshold == 0.0 and fitted.predicted == 0 and fitted.recall is None
+    by_deviation = fit([_row(0.1, False, 0.3)], "deviation")
+    assert by_deviation.predicted == 0 and by_deviation.as_dict()["threshold"] is None
 
 
 def test_the_cli_fits_on_one_set_of_files_and_scores_on_another(tmp_path):
@@ -63,6 +74,7 @@ def test_the_cli_fits_on_one_set_of_files_and_scores_on_another(tmp_path):
     report = json.loads(out.read_text())
     assert report["fit_on"] == ["a.json"] and report["test_on"] == ["b.json"]
     tested = report["margin"]["all"]["test"]
+    assert report["deviation"]["all"]["test"]["predicted"] == 0  # no deviation in these rows
     assert tested["prompts"] == 6 and tested["caught"] == 2 and tested["recall"] == 0.5
     again = run_kmesh("bench", "signals", "--fit", fit_on, "--test", fit_on, "--json", str(out))
     assert again.returncode == 2 and "different files" in again.stderr

@@ -286,7 +286,7 @@ class AllGatherBench:
             run.add(r, computed=rec.computed_tokens)
             run.fallbacks += int(rec.fell_back)
             if rec.deviation is not None:
-                run.deviations.append(rec.deviation)
+                run.deviations[(r, a)] = rec.deviation
             if rec.last_hidden is None:
                 raise AssertionError("the prompt's last token must be computed")
             logits.append(self.executor.logits(rec.last_hidden[None])[0])

@@ -24,8 +24,9 @@ class StrategyRun:
     seconds: list[float] = field(default_factory=list)
     kv_bytes_per_agent: float = 0.0
     fallbacks: int = 0
-    # Each recovered region's mean relative key deviation at the check layer (the gate's signal).
-    deviations: list[float] = field(default_factory=list)
+    # Per (round, agent) whose region the gate checked: the mean relative key deviation at the
+    # check layer (the gate's signal).
+    deviations: dict[tuple[int, int], float] = field(default_factory=dict)
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     greedy: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -66,7 +67,7 @@ def summary_of(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
         ],
         "kv_bytes_per_agent": round(run.kv_bytes_per_agent),
         "fallbacks": run.fallbacks,
-        "check_deviation_max": round(max(run.deviations), 4) if run.deviations else None,
+        "check_deviation_max": (round(max(run.deviations.values()), 4) if run.deviations else None),
         "quality": quality.as_dict(),
         # Per prompt of rounds >= 1: what recovery saw and whether the output diverged.
         "signals": signal_rows(run, reference),

@@ -142,7 +142,7 @@ class VllmAllGatherBench:
             started = time.perf_counter()
             outs = self._generate(requests, SamplingParams(temperature=0, max_tokens=1))
             run.add(r, seconds=time.perf_counter() - started)
-            for out in outs:
+            for a, out in enumerate(outs):
                 stats = out.kv_transfer_params["kmesh"]
                 recovery = stats.get("recovery") or {}
                 run.add(
@@ -153,7 +153,7 @@ class VllmAllGatherBench:
                 )
                 run.fallbacks += int(recovery.get("fell_back", False))
                 if recovery.get("deviation") is not None:
-                    run.deviations.append(recovery["deviation"])
+                    run.deviations[(r, a)] = recovery["deviation"]
                 masters += recovery.get("master_bytes", 0)
                 mirrors += recovery.get("mirror_bytes", 0)
             if r > 0:

@@ -6,15 +6,18 @@ keeps:
 - `margin`: the recovered state's top-1 margin at the last prompt position (the probability of
   the most likely next token minus the second's): what a runtime sees without a reference;
 - `reference_margin`: the same of full prefill's state (only a bench knows it);
+- `deviation`: the gate's mean relative key deviation at its check layer, where it checked the
+  prompt's region (None elsewhere);
 - `kl`: the next-token KL(full || recovered);
 - `diverged`: the greedy continuation differs from full prefill's in any of its tokens.
 
-A threshold t predicts "diverges" for margin < t. `fit` picks, on some traces, the t with the
-best F1 (ties: the smallest t, the fewest prompts sent to recompute); `score` gives its precision
-and recall on others. Rows are plain dicts: the bench's JSON carries them, and the fit runs on
-JSON files alone (`kmesh bench signals`).
+A threshold t on a signal predicts "diverges" for margin < t, or for deviation > t. `fit` picks,
+on some traces, the t with the best F1 (ties: the t that flags the fewest prompts, the fewest
+sent to recompute); `score` gives its precision and recall on others. Rows are plain dicts:
+the bench's JSON carries them, and the fit runs on JSON files alone (`kmesh bench signals`).
 """
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +46,7 @@ def signal_rows(run: "StrategyRun", reference: "StrategyRun") -> list[dict[str, 
                 "agent": key[1],
                 "margin": round(top1_margin(got), 6),
                 "reference_margin": round(top1_margin(want), 6),
+                "deviation": _round(run.deviations.get(key), 6),
                 "kl": round(float(next_token_kl(want[None], got[None])[0]), 6),
                 "diverged": run.greedy[key] != reference.greedy[key],
             }
@@ -72,7 +76,7 @@ class Score:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "threshold": round(self.threshold, 6),
+            "threshold": round(self.threshold, 6) if math.isfinite(self.threshold) else None,
             "prompts": self.prompts,
             "diverged": self.diverged,
             "predicted": self.predicted,
@@ -82,8 +86,20 @@ class Score:
         }
 
 
-def score(rows: Sequence[dict[str, Any]], threshold: float) -> Score:
-    predicted = [row["margin"] < threshold for row in rows]
+SIGNALS = ("margin", "deviation")
+
+
+def flagged(row: dict[str, Any], signal: str, threshold: float) -> bool:
+    """Whether `signal` at `threshold` predicts that the row's prompt diverges: a margin below
+    it, or a deviation above it (a prompt the gate did not check has none: not flagged)."""
+    value = row[signal]
+    if value is None:
+        return False
+    return bool(value < threshold if signal == "margin" else value > threshold)
+
+
+def score(rows: Sequence[dict[str, Any]], threshold: float, signal: str = "margin") -> Score:
+    predicted = [flagged(row, signal, threshold) for row in rows]
     return Score(
         threshold,
         len(rows),
@@ -93,20 +109,23 @@ def score(rows: Sequence[dict[str, Any]], threshold: float) -> Score:
     )
 
 
-def fit(rows: Sequence[dict[str, Any]]) -> Score:
-    """The threshold with the best F1 on `rows` (module docstring); 0 (predict nothing) when no
-    row diverged. Candidates sit just above each row's margin."""
-    candidates: Iterable[float] = sorted({row["margin"] + 1e-9 for row in rows})
-    best = score(rows, 0.0)
-    for threshold in candidates:
-        candidate = score(rows, threshold)
+def fit(rows: Sequence[dict[str, Any]], signal: str = "margin") -> Score:
+    """The threshold on `signal` with the best F1 on `rows` (module docstring); one that flags
+    nothing when no row diverged. Candidates sit just past each row's value."""
+    step = 1e-9 if signal == "margin" else -1e-9
+    candidates: Iterable[float] = sorted(
+        {row[signal] + step for row in rows if row[signal] is not None}
+    )
+    best = score(rows, 0.0 if signal == "margin" else float("inf"), signal)
+    for threshold in candidates if signal == "margin" else reversed(list(candidates)):
+        candidate = score(rows, threshold, signal)
         if candidate.f1 > best.f1:
             best = candidate
     return best
 
 
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def signals_report(
@@ -127,28 +146,33 @@ def signals_report(
                 found += signals
         return found
 
-    result: dict[str, Any] = {}
-    for label, names in [(name, [name]) for name in strategies] + [("all", list(strategies))]:
-        fitted = fit(rows(fit_reports, names))
-        result[label] = {
-            "fit": fitted.as_dict(),
-            "test": score(rows(test_reports, names), fitted.threshold).as_dict(),
-        }
-    return {"fit_on": sorted(fit_reports), "test_on": sorted(test_reports), "margin": result}
+    report: dict[str, Any] = {"fit_on": sorted(fit_reports), "test_on": sorted(test_reports)}
+    for signal in SIGNALS:
+        report[signal] = {}
+        for label, names in [(name, [name]) for name in strategies] + [("all", list(strategies))]:
+            fitted = fit(rows(fit_reports, names), signal)
+            report[signal][label] = {
+                "fit": fitted.as_dict(),
+                "test": score(rows(test_reports, names), fitted.threshold, signal).as_dict(),
+            }
+    return report
 
 
 def print_signals(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title="top-1 margin < threshold predicts a diverging greedy output")
-    for column in ("strategy", "threshold", "fit P / R (prompts)", "test P / R (prompts)"):
+    table = Table(title="margin < threshold or deviation > threshold predicts a diverging output")
+    columns = ("signal", "strategy", "threshold", "fit P / R (prompts)", "test P / R (prompts)")
+    for column in columns:
         table.add_column(column)
-    for label, row in report["margin"].items():
-        fitted, tested = row["fit"], row["test"]
-        table.add_row(
-            label,
-            f"{fitted['threshold']:.4f}",
-            f"{fitted['precision']} / {fitted['recall']} ({fitted['prompts']})",
-            f"{tested['precision']} / {tested['recall']} ({tested['prompts']})",
-        )
+    for signal in SIGNALS:
+        for label, row in report[signal].items():
+            fitted, tested = row["fit"], row["test"]
+            table.add_row(
+                signal,
+                label,
+                "-" if fitted["threshold"] is None else f"{fitted['threshold']:.4f}",
+                f"{fitted['precision']} / {fitted['recall']} ({fitted['prompts']})",
+                f"{tested['precision']} / {tested['recall']} ({tested['prompts']})",
+            )
     console.print(table)

@@ -1,5 +1,6 @@
-"""`kmesh bench signals`: how well the recovered state's top-1 margin predicts a diverging
-output, fitted on some All-Gather bench JSONs and scored on others (bench/divergence_signals.py)."""
+"""`kmesh bench signals`: how well signals seen at recovery time (the recovered state's top-1
+margin, the gate's deviation) predict a diverging output, fitted on some All-Gather bench JSONs
+and scored on others (bench/divergence_signals.py)."""
 
 import argparse
 import json
@@ -43,7 +44,7 @@ def _bench_signals(args: argparse.Namespace) -> None:
 
 def register(benches: Commands) -> None:
     signals = benches.add_parser(
-        "signals", help="does the recovered state's top-1 margin predict a diverging output?"
+        "signals", help="do recovery's margin and deviation predict a diverging output?"
     )
     signals.add_argument(
         "--fit", required=True, help="`kmesh bench allgather` JSONs to fit the threshold on"
