@@ -72,10 +72,22 @@ def test_the_cli_fits_on_one_set_of_files_and_scores_on_another(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert report["fit_on"] == ["a.json"] and report["test_on"] == ["b.json"]
+    assert report["fit_on"] == [fit_on] and report["test_on"] == [test_on]
     tested = report["margin"]["all"]["test"]
     assert report["deviation"]["all"]["test"]["predicted"] == 0  # no deviation in these rows
     assert tested["prompts"] == 6 and tested["caught"] == 2 and tested["recall"] == 0.5
     again = run_kmesh("bench", "signals", "--fit", fit_on, "--test", fit_on, "--json", str(out))
     assert again.returncode == 2 and "different files" in again.stderr
-    assert "Traceback" not in again.stderr
+    (tmp_path / "list.json").write_text("[]")
+    wrong = run_kmesh(
+        "bench",
+        "signals",
+        "--fit",
+        fit_on,
+        "--test",
+        str(tmp_path / "list.json"),
+        "--json",
+        str(out),
+    )
+    assert wrong.returncode == 2 and "not a `kmesh bench allgather` report" in wrong.stderr
+    assert "Traceback" not in again.stderr + wrong.stderr

@@ -133,8 +133,8 @@ def signals_report(
     test_reports: dict[str, dict[str, Any]],
     strategies: Sequence[str],
 ) -> dict[str, Any]:
-    """The margin threshold fitted on `fit_reports`' prompts and scored on `test_reports`' (All-
-    Gather bench JSONs by file name), per strategy and over them all."""
+    """Each signal's threshold fitted on `fit_reports`' prompts and scored on `test_reports`'
+    (All-Gather bench JSONs by path), per strategy and over them all."""
 
     def rows(reports: dict[str, dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:
         found = []

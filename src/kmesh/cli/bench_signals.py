@@ -18,9 +18,12 @@ def _reports(flag: str, text: str) -> dict[str, dict[str, Any]]:
     reports = {}
     for part in filter(None, text.split(",")):
         try:
-            reports[Path(part).name] = json.loads(Path(part).read_text())
+            report = json.loads(Path(part).read_text())
         except (OSError, ValueError) as error:
             raise InvalidRequestError(f"{flag}: cannot read {part!r} as JSON: {error}") from None
+        if not isinstance(report, dict) or not isinstance(report.get("strategies"), dict):
+            raise InvalidRequestError(f"{flag}: {part!r} is not a `kmesh bench allgather` report")
+        reports[part] = report
     if not reports:
         raise InvalidRequestError(f"{flag} takes bench JSONs separated by commas")
     return reports
@@ -30,7 +33,7 @@ def _bench_signals(args: argparse.Namespace) -> None:
     from kmesh.bench.divergence_signals import print_signals, signals_report
 
     fit_on, test_on = _reports("--fit", args.fit), _reports("--test", args.test)
-    if set(fit_on) & set(test_on):
+    if {Path(p).resolve() for p in fit_on} & {Path(p).resolve() for p in test_on}:
         raise InvalidRequestError("--fit and --test must name different files")
     strategies = [s for s in args.strategies.split(",") if s]
     if not strategies or set(strategies) - set(APPROXIMATE):
