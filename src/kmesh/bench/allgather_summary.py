@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from kmesh.bench.common import hardware
-from kmesh.bench.divergence_signals import signal_rows
-from kmesh.bench.quality import Quality
+from kmesh.bench.divergence_signals import round_or_none, top1_margin
+from kmesh.bench.quality import Quality, next_token_kl
 
 
 @dataclass(slots=True)
@@ -73,6 +73,26 @@ def summary_of(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
         "signals": signal_rows(run, reference),
         **run.extra,
     }
+
+
+def signal_rows(run: StrategyRun, reference: StrategyRun) -> list[dict[str, Any]]:
+    """Per prompt of rounds >= 1, what recovery saw and whether the output diverged (the rows
+    bench/divergence_signals.py fits and scores)."""
+    rows = []
+    for key in sorted(run.greedy):
+        got, want = run.logits[key], reference.logits[key]
+        rows.append(
+            {
+                "round": key[0],
+                "agent": key[1],
+                "margin": round(top1_margin(got), 6),
+                "reference_margin": round(top1_margin(want), 6),
+                "deviation": round_or_none(run.deviations.get(key), 6),
+                "kl": round(float(next_token_kl(want[None], got[None])[0]), 6),
+                "diverged": run.greedy[key] != reference.greedy[key],
+            }
+        )
+    return rows
 
 
 def strategies_report(runs: dict[str, dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:

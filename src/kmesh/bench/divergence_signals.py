@@ -1,8 +1,8 @@
 """Whether a signal seen at recovery time predicts that an approximate prefill's greedy output
 diverges from full prefill's.
 
-Per prompt of an approximate strategy (rounds >= 1, where outputs are reused), `signal_rows`
-keeps:
+Per prompt of an approximate strategy (rounds >= 1, where outputs are reused), a row
+(`allgather_summary.signal_rows`) keeps:
 - `margin`: the recovered state's top-1 margin at the last prompt position (the probability of
   the most likely next token minus the second's): what a runtime sees without a reference;
 - `reference_margin`: the same of full prefill's state (only a bench knows it);
@@ -20,38 +20,15 @@ the bench's JSON carries them, and the fit runs on JSON files alone (`kmesh benc
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-from kmesh.bench.quality import next_token_kl
-
-if TYPE_CHECKING:
-    from kmesh.bench.allgather_summary import StrategyRun
 
 
 def top1_margin(logits: torch.Tensor) -> float:
     """Probability of the most likely token minus the second's, for one [vocab] row."""
     top = torch.softmax(logits.to(torch.float64), dim=-1).topk(2).values
     return float(top[0] - top[1])
-
-
-def signal_rows(run: "StrategyRun", reference: "StrategyRun") -> list[dict[str, Any]]:
-    rows = []
-    for key in sorted(run.greedy):
-        got, want = run.logits[key], reference.logits[key]
-        rows.append(
-            {
-                "round": key[0],
-                "agent": key[1],
-                "margin": round(top1_margin(got), 6),
-                "reference_margin": round(top1_margin(want), 6),
-                "deviation": _round(run.deviations.get(key), 6),
-                "kl": round(float(next_token_kl(want[None], got[None])[0]), 6),
-                "diverged": run.greedy[key] != reference.greedy[key],
-            }
-        )
-    return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +58,8 @@ class Score:
             "diverged": self.diverged,
             "predicted": self.predicted,
             "caught": self.caught,
-            "precision": _round(self.precision),
-            "recall": _round(self.recall),
+            "precision": round_or_none(self.precision),
+            "recall": round_or_none(self.recall),
         }
 
 
@@ -124,7 +101,7 @@ def fit(rows: Sequence[dict[str, Any]], signal: str = "margin") -> Score:
     return best
 
 
-def _round(value: float | None, digits: int = 4) -> float | None:
+def round_or_none(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
