@@ -14,7 +14,13 @@ tokens.
 The prompts are real text with ordinary margins (some steps are exact bfloat16 ties in vanilla;
 they went the same way here). A near-tie can flip under rounding: a fourth suffix ("# Question:
 what does the parser above do with unknown options?") does so at its third token, where vanilla's
-two best tokens are 0.13 nats (two logit ulps) apart, so it is not used.
+two best tokens are 0.13 nats (two logit ulps) apart, so it is not used. Where the kernels differ
+the near-ties move: on a CPU with avx512_bf16 and avx512_fp16 (stop 41's machine), suffix "c"
+recovered from scratch ties its fourth token exactly (margin 0) where vanilla's two best are 0.25
+nats apart, and takes the other one. So the greedy check takes vLLM's decisions up to the first
+step that differs, and accepts that step only where vanilla's margin is within LOGPROB_TOL (a
+near-tie rounding may decide either way) after at least MIN_AGREED identical tokens; wrong KV
+flips tokens at margins of nats.
 """
 
 import pytest
@@ -24,6 +30,7 @@ from tests.vllm.bf16_job import CHECKED, HIT, TRUNK_TOKENS
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
 LOGPROB_TOL = 0.25
+MIN_AGREED = 3
 
 
 JOB = "bf16_job.py"
@@ -38,15 +45,26 @@ def result(job_result) -> dict:
     return job_result
 
 
-def drift(got: dict, want: dict) -> float:
-    return max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
+def drift(got: dict, want: dict, steps: int | None = None) -> float:
+    pairs = list(zip(got["logprobs"], want["logprobs"], strict=True))[:steps]
+    return max(abs(a - b) for a, b in pairs)
+
+
+def agreed(got: dict, want: dict) -> int:
+    """Greedy steps before the first whose token differs (all of them if none does)."""
+    for step, (a, b) in enumerate(zip(got["ids"], want["ids"], strict=True)):
+        if a != b:
+            return step
+    return len(want["ids"])
 
 
 def test_policy_full_in_bfloat16_gives_vanilla_bfloat16s_greedy_tokens(result):
     for name in CHECKED:
         got, want = result["full"][name], result["vanilla"][name]
-        assert got["ids"] == want["ids"], name
-        assert drift(got, want) <= LOGPROB_TOL, name
+        steps = agreed(got, want)
+        if steps < len(want["ids"]):  # a flip: only at a near-tie of vanilla's (docstring)
+            assert steps >= MIN_AGREED and want["margins"][steps] <= LOGPROB_TOL, (name, steps)
+        assert drift(got, want, steps) <= LOGPROB_TOL, name
 
 
 def test_recovery_really_ran_in_bfloat16(result):
