@@ -36,7 +36,7 @@ class Score:
     threshold: float
     prompts: int
     diverged: int
-    predicted: int  # margin < threshold
+    predicted: int  # flagged at the threshold (`flagged`)
     caught: int  # predicted and diverged
 
     @property
