@@ -18,7 +18,7 @@ the bench's JSON carries them, and the fit runs on JSON files alone (`kmesh benc
 """
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,13 +88,13 @@ def score(rows: Sequence[dict[str, Any]], threshold: float, signal: str = "margi
 
 def fit(rows: Sequence[dict[str, Any]], signal: str = "margin") -> Score:
     """The threshold on `signal` with the best F1 on `rows` (module docstring); one that flags
-    nothing when no row diverged. Candidates sit just past each row's value."""
-    step = 1e-9 if signal == "margin" else -1e-9
-    candidates: Iterable[float] = sorted(
-        {row[signal] + step for row in rows if row[signal] is not None}
-    )
-    best = score(rows, 0.0 if signal == "margin" else float("inf"), signal)
-    for threshold in candidates if signal == "margin" else reversed(list(candidates)):
+    nothing when no row diverged. Candidates sit just past each row's value, tried from the one
+    that flags the fewest prompts on."""
+    below = signal == "margin"  # flagged below the threshold, else above it
+    step = 1e-9 if below else -1e-9
+    values = {row[signal] + step for row in rows if row[signal] is not None}
+    best = score(rows, 0.0 if below else float("inf"), signal)
+    for threshold in sorted(values, reverse=not below):
         candidate = score(rows, threshold, signal)
         if candidate.f1 > best.f1:
             best = candidate
