@@ -2,7 +2,14 @@
 reference engine's driver on the tiny model (exact recovery gives full prefill's outputs)."""
 
 from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
-from kmesh.bench.closed_loop import closed_loop_summary, reference_closed_loop, run_closed_loop
+from kmesh.bench.closed_loop import (
+    Said,
+    closed_loop_summary,
+    computed_of,
+    plain_loops,
+    reference_closed_loop,
+    run_closed_loop,
+)
 from kmesh.workloads.allgather import AllGatherConfig
 
 END = 2  # the tiny model's end of sequence, standing for <|im_end|>
@@ -31,7 +38,9 @@ def test_each_strategys_outputs_feed_its_own_next_round():
         if r == 1:
             seen[name] = list(turns[0].prompt.token_ids)
         # "bad" answers differently from "good" in round 0 only.
-        return [[10 + a + (name == "bad" and r == 0), END] for a in range(len(turns))]
+        return [
+            Said([10 + a + (name == "bad" and r == 0), END], r + 0.5) for a in range(len(turns))
+        ]
 
     outputs = run_closed_loop(WORKLOAD, ByteTokenizer(), ["good", "bad"], generate)
     assert seen["good"] != seen["bad"]  # round 1 read each strategy's own round-0 outputs
@@ -40,10 +49,15 @@ def test_each_strategys_outputs_feed_its_own_next_round():
     assert summary["full"]["identical_share_per_round"] == [1.0, 1.0]
     assert summary["bad"]["identical_share_per_round"] == [0.0, 1.0]
     assert summary["bad"]["common_prefix_mean_per_round"] == [0.0, 1.0]
+    assert summary["bad"]["computed_tokens_per_round"] == [1.5, 4.5]  # 3 agents, 0.5 then 1.5
+
+
+def said(*outputs: list[int]) -> list[Said]:
+    return [Said(list(o), 1.0) for o in outputs]
 
 
 def test_the_common_prefix_is_a_share_of_the_reference_output():
-    outputs = {"full": [[[1, 2, 3, 4], [5, 6]]], "x": [[[1, 2, 9, 9], [5, 6]]]}
+    outputs = {"full": [said([1, 2, 3, 4], [5, 6])], "x": [said([1, 2, 9, 9], [5, 6])]}
     summary = closed_loop_summary(outputs)["x"]
     assert summary["identical_share_per_round"] == [0.5]
     assert summary["common_prefix_mean_per_round"] == [0.75]  # (2/4 + 2/2) / 2
@@ -53,7 +67,17 @@ def test_exact_recovery_in_the_reference_engine_closes_the_loop_like_full_prefil
     make_tiny_engine,
 ):
     cfg = AllGatherBenchConfig(policy="full", recompute_ratio=1.0, agent_ratio=1.0, gate=None)
-    summary = reference_closed_loop(make_tiny_engine(), ByteTokenizer(), WORKLOAD, cfg)
+    summary = reference_closed_loop(make_tiny_engine(), ByteTokenizer(), WORKLOAD, plain_loops(cfg))
     assert list(summary) == list(STRATEGIES)
     for name in STRATEGIES:
         assert summary[name]["identical_share_per_round"] == [1.0, 1.0], name
+    # Every strategy computed something, and prefix reuse computed less than full prefill.
+    assert all(sum(s["computed_tokens_per_round"]) > 0 for s in summary.values())
+    full, prefix = (sum(summary[n]["computed_tokens_per_round"]) for n in ("full", "prefix"))
+    assert prefix < full
+
+
+def test_a_requests_computed_tokens_add_recoverys_own_and_the_master_it_built():
+    assert computed_of(10, None) == 10
+    assert computed_of(10, {"computed_tokens": 2.5, "shared_computed_tokens": 4.0}) == 16.5
+    assert computed_of(3, {"refused": "no segments"}) == 3

@@ -42,10 +42,19 @@ from kmesh.bench.allgather_config import (
     STRATEGIES,
     SWEEP_POLICIES,
     SWEEP_RATIOS,
+    SWEEP_VARIANTS,
     AllGatherBenchConfig,
 )
 from kmesh.bench.allgather_inputs import RecoveryInputs, Transcript, region_segments
-from kmesh.bench.allgather_summary import StrategyRun, scaling_row, strategies_report, summary_of
+from kmesh.bench.allgather_summary import (
+    StrategyRun,
+    scaling_row,
+    strategies_report,
+    summary_of,
+    sweep_row,
+)
+from kmesh.bench.closed_loop import Loops
+from kmesh.bench.frontier import run_frontier
 from kmesh.bench.quality import greedy_decode
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor
@@ -112,36 +121,23 @@ class AllGatherBench:
         """Quality and compute vs ratio, per policy: per_request's recompute ratio; collective's
         agent ratio (master as configured); collective_shared's shared ratio (the common-context
         master, no agent correction: the once-per-round recovery from the stored KV alone)."""
-        variants: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
-            ("per_request", "per_request", "recompute_ratio", {}),
-            ("collective", "collective", "agent_ratio", {}),
-            (
-                "collective_shared",
-                "collective",
-                "shared_ratio",
-                {"agent_ratio": 0.0, "master": "common"},
-            ),
-        )
         rows = []
         base = self.cfg
         for policy in policies:
             for ratio in ratios:
-                for label, strategy, knob, fixed in variants:
+                for label, strategy, knob, fixed in SWEEP_VARIANTS:
                     overrides: dict[str, Any] = {"policy": policy, knob: ratio, **fixed}
-                    self.cfg = replace(base, **overrides)
-                    row = self.summary(self.run(strategy))
-                    rows.append(
-                        {
-                            "policy": policy,
-                            "ratio": ratio,
-                            "strategy": label,
-                            "computed_tokens": row["computed_tokens"],
-                            "prefill_seconds": row["prefill_seconds"],
-                            "quality": row["quality"],
-                        }
-                    )
-        self.cfg = base
+                    row = self.measure(strategy, replace(base, **overrides))
+                    rows.append(sweep_row(policy, ratio, label, row))
         return rows
+
+    def measure(self, name: str, cfg: AllGatherBenchConfig) -> dict[str, Any]:
+        """Strategy `name`'s summary under `cfg` (the bench's own configuration is kept)."""
+        base, self.cfg = self.cfg, cfg
+        try:
+            return self.summary(self.run(name))
+        finally:
+            self.cfg = base
 
     def config_dict(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -317,9 +313,11 @@ def run_allgather_bench(
     sweep: bool = False,
     scale: Sequence[Sequence[AgentTurn]] = (),
     progress: Callable[[str], None] = lambda _: None,
+    frontier: Callable[[Loops], dict[str, dict[str, list[float]]]] | None = None,
 ) -> dict[str, Any]:
     """The report for `turns` (generated with `workload`); with `sweep`, quality vs recompute
-    ratio per policy; with `scale`, the same strategies on traces with other agent counts."""
+    ratio per policy; with `scale`, the same strategies on traces with other agent counts; with
+    `frontier` (it runs closed loops), the frontier sweep (bench/frontier.py)."""
     if cfg.check_layer >= executor.config.num_layers:
         raise InvalidRequestError(
             f"--check-layer must be below the model's {executor.config.num_layers} layers"
@@ -331,6 +329,10 @@ def run_allgather_bench(
     )
     if sweep:
         report["sweep"] = bench.sweep(SWEEP_POLICIES, SWEEP_RATIOS)
+    if frontier is not None:
+        report["frontier"] = run_frontier(
+            cfg, lambda _, name, point: bench.measure(name, point), frontier, progress
+        )
     rows = []
     for other in scale:
         progress(f"scaling: {len({t.agent for t in other})} agents")

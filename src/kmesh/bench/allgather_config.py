@@ -17,6 +17,14 @@ from kmesh.recovery.recover import RecoveryConfig
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 SWEEP_POLICIES = ("kv_deviation", "first_k", "random", "none")
 SWEEP_RATIOS = (0.0, 0.05, 0.15, 0.3)
+# The reference engine's sweep, per policy and ratio: (label, strategy, the knob set to the ratio,
+# other knobs). collective_shared is the common-context master without agent correction: the
+# once-per-round recovery from the stored KV alone.
+SWEEP_VARIANTS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    ("per_request", "per_request", "recompute_ratio", {}),
+    ("collective", "collective", "agent_ratio", {}),
+    ("collective_shared", "collective", "shared_ratio", {"agent_ratio": 0.0, "master": "common"}),
+)
 # The recovery settings: the fields a report's config lists and the command line sets (each by
 # the flag of its name).
 RECOVERY_FIELDS = (

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from kmesh.bench.common import report_table
+from kmesh.bench.frontier_report import FRONTIER_HEADER, below_lines, frontier_rows
 
 KL_FLOOR = 1e-6  # where a zero KL is drawn on the log-scale quality plot
 
@@ -177,8 +178,8 @@ def _rich_table(header: list[str] | tuple[str, ...], rows: Rows, title: str) -> 
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
-    """The strategies table, the comparison ratios, then the sweep, scaling and closed-loop
-    tables if any."""
+    """The strategies table, the comparison ratios, then the sweep, scaling, closed-loop and
+    frontier tables if any."""
     console.print(_rich_table(STRATEGY_HEADER, _strategy_rows(result), _title(result)))
     console.print(_collective_line(result))
     console.print("\n".join(_comparison_items(result)))
@@ -189,6 +190,10 @@ def print_table(result: dict[str, Any], console: Console) -> None:
         console.print(_rich_table(header, rows, "scaling over agent counts"))
     if closed := _closed_loop_rows(result):
         console.print(_rich_table(CLOSED_LOOP_HEADER, closed, "closed loop vs full prefill's"))
+    if frontier := result.get("frontier"):
+        title = "frontier sweep (* on its strategy's frontier)"
+        console.print(_rich_table(FRONTIER_HEADER, frontier_rows(frontier), title))
+        console.print("\n".join(below_lines(frontier)))
 
 
 def _markdown_table(header: list[str] | tuple[str, ...], rows: Rows) -> str:

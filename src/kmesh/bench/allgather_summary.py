@@ -75,6 +75,12 @@ def summary_of(run: StrategyRun, reference: StrategyRun) -> dict[str, Any]:
     }
 
 
+def sweep_row(policy: str, ratio: float, strategy: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """One row of a `--sweep` (both engines): a strategy's compute and quality at one ratio."""
+    kept = ("computed_tokens", "prefill_seconds", "quality")
+    return {"policy": policy, "ratio": ratio, "strategy": strategy, **{k: summary[k] for k in kept}}
+
+
 def signal_rows(run: StrategyRun, reference: StrategyRun) -> list[dict[str, Any]]:
     """Per prompt of rounds >= 1, what recovery saw and whether the output diverged (the rows
     bench/divergence_signals.py fits and scores)."""

@@ -37,8 +37,16 @@ from dataclasses import replace
 from typing import Any
 
 from kmesh.bench.allgather_config import STRATEGIES, SWEEP_RATIOS, AllGatherBenchConfig
-from kmesh.bench.allgather_summary import StrategyRun, strategies_report, summary_of
-from kmesh.bench.closed_loop import closed_loop_summary, run_closed_loop
+from kmesh.bench.allgather_summary import StrategyRun, strategies_report, summary_of, sweep_row
+from kmesh.bench.closed_loop import (
+    Loops,
+    Said,
+    closed_loop_summary,
+    computed_of,
+    plain_loops,
+    run_closed_loop,
+)
+from kmesh.bench.frontier import run_frontier
 from kmesh.bench.strategy_requests import strategy_request
 from kmesh.bench.vllm_logits import first_token_logits, first_token_params
 from kmesh.recovery.collective import MASTER_CHOICES
@@ -74,17 +82,31 @@ class VllmAllGatherBench:
         self.rounds = group_rounds(turns)
 
     def report(
-        self, fingerprint: str, sweep: bool = False, tokenizer: Any = None
+        self,
+        fingerprint: str,
+        sweep: bool = False,
+        tokenizer: Any = None,
+        closed_loop: bool = False,
+        frontier: bool = False,
     ) -> dict[str, Any]:
         """The four strategies; with `sweep`, collective's agent ratios and master choices; with
-        a tokenizer, each strategy's closed loop too."""
+        `closed_loop`, each strategy's closed loop; with `frontier`, the frontier sweep
+        (bench/frontier.py). Closed loops need the tokenizer."""
         self._warm_up()
         runs = {name: self.run(name) for name in STRATEGIES}
         summaries = {name: summary_of(run, runs["full"]) for name, run in runs.items()}
         rows = self.sweep(runs["full"]) if sweep else None
-        if tokenizer is not None:
-            for name, loop in self.closed_loop(tokenizer).items():
+        if closed_loop:
+            for name, loop in self.closed_loops(tokenizer, plain_loops(self.cfg)).items():
                 summaries[name]["closed_loop"] = loop
+        found = None
+        if frontier:
+            found = run_frontier(
+                self.cfg,
+                lambda label, name, cfg: self.measure(name, cfg, f":{label}", runs["full"]),
+                lambda loops: self.closed_loops(tokenizer, loops),
+                self.progress,
+            )
         cfg = self.cfg
         config = {
             "engine": "vllm",
@@ -103,6 +125,8 @@ class VllmAllGatherBench:
         report = strategies_report(summaries, config)
         if rows is not None:
             report["sweep"] = rows
+        if found is not None:
+            report["frontier"] = found
         return report
 
     def sweep(self, reference: StrategyRun) -> list[dict[str, Any]]:
@@ -112,22 +136,20 @@ class VllmAllGatherBench:
         base = self.cfg
         for master in MASTER_CHOICES:
             for ratio in SWEEP_RATIOS:
-                self.cfg = replace(base, master=master, agent_ratio=ratio)
-                self.variant = f":{master}:{ratio}"
-                row = summary_of(self.run("collective"), reference)
-                rows.append(
-                    {
-                        "policy": base.policy,
-                        "ratio": ratio,
-                        "strategy": f"collective_{master}",
-                        "computed_tokens": row["computed_tokens"],
-                        "prefill_seconds": row["prefill_seconds"],
-                        "quality": row["quality"],
-                    }
-                )
-        self.cfg = base
-        self.variant = ""
+                cfg = replace(base, master=master, agent_ratio=ratio)
+                row = self.measure("collective", cfg, f":{master}:{ratio}", reference)
+                rows.append(sweep_row(base.policy, ratio, f"collective_{master}", row))
         return rows
+
+    def measure(
+        self, name: str, cfg: AllGatherBenchConfig, variant: str, reference: StrategyRun
+    ) -> dict[str, Any]:
+        """Strategy `name`'s summary under `cfg` and salt `variant` (the bench keeps its own)."""
+        base, self.cfg, self.variant = self.cfg, cfg, variant
+        try:
+            return summary_of(self.run(name), reference)
+        finally:
+            self.cfg, self.variant = base, ""
 
     def run(self, name: str) -> StrategyRun:
         from vllm import SamplingParams
@@ -138,19 +160,14 @@ class VllmAllGatherBench:
         mirrors = 0
         matching = 0
         for r, turns in enumerate(self.rounds):
-            requests = [self._request(name, r, t) for t in turns]
+            requests = [self._request(name, r, t, self.cfg, self.variant) for t in turns]
             started = time.perf_counter()
             outs = self._generate(requests, SamplingParams(temperature=0, max_tokens=1))
             run.add(r, seconds=time.perf_counter() - started)
             for a, out in enumerate(outs):
                 stats = out.kv_transfer_params["kmesh"]
                 recovery = stats.get("recovery") or {}
-                run.add(
-                    r,
-                    computed=stats["computed_tokens"]
-                    + recovery.get("computed_tokens", 0.0)
-                    + recovery.get("shared_computed_tokens", 0.0),
-                )
+                run.add(r, computed=computed_of(stats["computed_tokens"], recovery))
                 run.fallbacks += int(recovery.get("fell_back", False))
                 if recovery.get("deviation") is not None:
                     run.deviations[(r, a)] = recovery["deviation"]
@@ -194,13 +211,12 @@ class VllmAllGatherBench:
         from vllm import SamplingParams
 
         r = min(1, len(self.rounds) - 1)
-        self.variant = ":warm-up"
-        try:
-            turn = self.rounds[r][0]
-            requests = [self._request(name, r, turn) for name in ("per_request", "collective")]
-            self._generate(requests, SamplingParams(temperature=0, max_tokens=1))
-        finally:
-            self.variant = ""
+        turn = self.rounds[r][0]
+        requests = [
+            self._request(name, r, turn, self.cfg, ":warm-up")
+            for name in ("per_request", "collective")
+        ]
+        self._generate(requests, SamplingParams(temperature=0, max_tokens=1))
 
     def _author(self, requests: list[tuple[dict, dict | None]], turns: list[AgentTurn]) -> int:
         """Generate the round's outputs from its prompts (greedy, untimed), the connector
@@ -223,38 +239,39 @@ class VllmAllGatherBench:
             per_request.append(p)
         return list(self.llm.generate([p for p, _ in requests], per_request, use_tqdm=False))
 
-    def _request(self, name: str, r: int, turn: AgentTurn) -> tuple[dict, dict | None]:
+    def _request(
+        self, name: str, r: int, turn: AgentTurn, cfg: AllGatherBenchConfig, variant: str
+    ) -> tuple[dict, dict | None]:
         """The prompt (token ids, cache salt) and the kmesh object of one agent turn."""
-        salt, kmesh = strategy_request(name, r, turn, self.cfg, self.workload.agents, self.variant)
+        salt, kmesh = strategy_request(name, r, turn, cfg, self.workload.agents, variant)
         prompt: dict[str, Any] = {"prompt_token_ids": list(turn.prompt.token_ids)}
         if salt is not None:
             prompt["cache_salt"] = salt
         return prompt, kmesh
 
-    def closed_loop(self, tokenizer: Any) -> dict[str, dict[str, list[float]]]:
-        """bench/closed_loop.py through this engine (salts of their own)."""
+    def closed_loops(self, tokenizer: Any, loops: Loops) -> dict[str, dict[str, list[float]]]:
+        """bench/closed_loop.py through this engine, each label under salts of its own."""
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=self.workload.output_tokens)
 
-        def generate(name: str, r: int, turns: list[AgentTurn]) -> list[list[int]]:
-            outs = self._generate([self._request(name, r, t) for t in turns], params)
-            return [list(out.outputs[0].token_ids) for out in outs]
+        def generate(label: str, r: int, turns: list[AgentTurn]) -> list[Said]:
+            name, cfg = loops[label]
+            variant = f":closed-loop:{label}"
+            outs = self._generate([self._request(name, r, t, cfg, variant) for t in turns], params)
+            said = []
+            for out in outs:
+                stats = out.kv_transfer_params["kmesh"]
+                computed = computed_of(stats["computed_tokens"], stats.get("recovery"))
+                said.append(Said(list(out.outputs[0].token_ids), computed))
+            return said
 
-        self.variant = ":closed-loop"
-        try:
-            outputs = run_closed_loop(self.workload, tokenizer, STRATEGIES, generate, self.progress)
-        finally:
-            self.variant = ""
+        outputs = run_closed_loop(self.workload, tokenizer, list(loops), generate, self.progress)
         return closed_loop_summary(outputs)
-
-    def _outputs(self, r: int) -> list[str]:
-        """Round r's output segment ids, in agent order (the master's canonical order)."""
-        return [output_segment_id(r, a) for a in range(self.workload.agents)]
 
     def _output_bytes(self, r: int) -> int:
         """Round r - 1's outputs, as round r's prompts hold them, in every agent's pages."""
-        outputs = set(self._outputs(r - 1))
+        outputs = {output_segment_id(r - 1, a) for a in range(self.workload.agents)}
         segments = self.rounds[r][0].prompt.segments
         tokens = sum(len(s.token_ids) for s in segments if s.segment_id in outputs)
         return tokens * self.kv_bytes_per_token
@@ -268,6 +285,7 @@ def run_vllm_allgather_bench(
     block_size: int | None = None,
     sweep: bool = False,
     closed_loop: bool = False,
+    frontier: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Start vLLM with KMeshConnector on the model folder (pages of `block_size` tokens,
@@ -311,10 +329,10 @@ def run_vllm_allgather_bench(
             llm, turns, workload, cfg, hf["vocab_size"], kv_bytes_per_token, block_size, progress
         )
         tokenizer = None
-        if closed_loop:
+        if closed_loop or frontier:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return bench.report(model_fingerprint(str(path)), sweep, tokenizer)
+        return bench.report(model_fingerprint(str(path)), sweep, tokenizer, closed_loop, frontier)
     finally:
         llm.llm_engine.engine_core.shutdown()

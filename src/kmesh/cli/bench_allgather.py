@@ -15,8 +15,8 @@ from kmesh.errors import InvalidRequestError
 def _bench_allgather(args: argparse.Namespace) -> None:
     from kmesh.bench.allgather import run_allgather_bench
     from kmesh.bench.allgather_config import RECOVERY_FIELDS, AllGatherBenchConfig
-    from kmesh.bench.allgather_report import print_table, write_report
-    from kmesh.bench.common import report_console
+    from kmesh.bench.allgather_report import write_report
+    from kmesh.bench.closed_loop import Loops, plain_loops, reference_closed_loop
     from kmesh.compute.loader import load_model
     from kmesh.engine.engine import Engine
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace
@@ -47,6 +47,8 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         )
     if args.engine != "vllm" and args.block_size is not None:
         raise InvalidRequestError("--block-size is vLLM's page size: it needs --engine vllm")
+    if args.plot is not None and not args.frontier:
+        raise InvalidRequestError("--plot draws the frontier: it needs --frontier")
     if args.engine == "vllm":
         trace = (trace_model, turns) if args.trace is not None else None
         _bench_allgather_vllm(args, cfg, workload, trace)
@@ -72,6 +74,11 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         log(f"generating the workload for --scale: {agents} agents")
         other = replace(workload, agents=agents)
         others.append(generate_trace(other, engine, model.tokenizer, progress=log))
+
+    def closed_loops(loops: Loops) -> dict[str, dict[str, list[float]]]:
+        engine = Engine(model.executor, model.fingerprint, kv_cache_tokens=1 << 15)
+        return reference_closed_loop(engine, model.tokenizer, workload, loops, log)
+
     report = run_allgather_bench(
         model.executor,
         model.fingerprint,
@@ -81,31 +88,33 @@ def _bench_allgather(args: argparse.Namespace) -> None:
         args.sweep,
         others,
         progress=log,
+        frontier=closed_loops if args.frontier else None,
     )
     if args.closed_loop:
-        from kmesh.bench.closed_loop import reference_closed_loop
-
-        loops = reference_closed_loop(
-            Engine(model.executor, model.fingerprint, kv_cache_tokens=1 << 15),
-            model.tokenizer,
-            workload,
-            cfg,
-            progress=log,
-        )
-        for name, loop in loops.items():
+        for name, loop in closed_loops(plain_loops(cfg)).items():
             report["strategies"][name]["closed_loop"] = loop
-    print_table(report, report_console())
-    write_json(args.json, report)
+    _emit(args, report)
     if args.report is not None:
         print(f"wrote {write_report(report, Path(args.report))}")
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The table, the JSON and, with --plot, the frontier's plot."""
+    from kmesh.bench.allgather_report import print_table
+    from kmesh.bench.common import report_console
+    from kmesh.bench.frontier_report import plot_frontier
+
+    print_table(report, report_console())
+    write_json(args.json, report)
+    if args.plot is not None:
+        plot_frontier(report, Path(args.plot))
+        print(f"wrote {args.plot}")
 
 
 def _bench_allgather_vllm(
     args: argparse.Namespace, cfg: Any, workload: Any, trace: tuple[str, Any] | None
 ) -> None:
-    from kmesh.bench.allgather_report import print_table
     from kmesh.bench.allgather_vllm import run_vllm_allgather_bench
-    from kmesh.bench.common import report_console
     from kmesh.compute.fingerprint import model_fingerprint
     from kmesh.compute.loader import resolve_model_dir
 
@@ -132,10 +141,10 @@ def _bench_allgather_vllm(
         args.block_size,
         args.sweep,
         args.closed_loop,
+        args.frontier,
         progress=log,
     )
-    write_json(args.json, report)
-    print_table(report, report_console())
+    _emit(args, report)
 
 
 def register(benches: Commands) -> None:
@@ -210,6 +219,13 @@ def register(benches: Commands) -> None:
         help="also run each strategy's council on its own generated outputs and compare them "
         "with full prefill's (bench/closed_loop.py)",
     )
+    gather.add_argument(
+        "--frontier",
+        action="store_true",
+        help="also sweep each approximate strategy over its budget knobs, open and closed loop, "
+        "and report each one's frontier of computed tokens against outputs identical to full "
+        "prefill's (bench/frontier.py; 13 closed loops more)",
+    )
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
     gather.add_argument(
         "--engine",
@@ -224,4 +240,4 @@ def register(benches: Commands) -> None:
         help="--engine vllm: vLLM's page size in tokens (a multiple of 32; default "
         "kmesh.vllm.config.DEFAULT_BLOCK_SIZE)",
     )
-    add_bench_options(gather, _bench_allgather)
+    add_bench_options(gather, _bench_allgather, plot="the frontier (with --frontier)")
