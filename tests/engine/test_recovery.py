@@ -8,7 +8,9 @@ import pytest
 
 from kmesh.engine.request import Request, SamplingParams
 from kmesh.errors import InvalidRequestError
+from kmesh.recovery import quality
 from kmesh.recovery.jobs import RecoveryRequest
+from kmesh.recovery.quality import Calibration
 from kmesh.state.request_meta import KMeshParams, RecoverySpec, RoundSpec
 from kmesh.state.segments import Role, Span
 from kmesh.store import StoreClient
@@ -287,3 +289,31 @@ def test_a_declared_next_use_pins_the_transcript_until_the_family_closes(
             assert client.stats()["pinned"] == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("target", ["exact", "greedy"])
+def test_a_quality_target_the_engine_cannot_meet_is_served_exactly_and_says_so(
+    make_tiny_engine, target
+):
+    # The tiny model has no calibrations: greedy falls back to exact, under any salt.
+    spec = RecoverySpec(quality=target, round=ROUND)
+    requests = [sibling(0, "ab", spec), sibling(1, "ba", spec)]
+    outs = make_tiny_engine().generate(requests)
+    exact = make_tiny_engine().generate([plain(r) for r in requests])
+    for got, want in zip(outs, exact, strict=True):
+        assert got.output_ids == want.output_ids
+        assert got.stats.recovery is None and got.stats.recovered_tokens == 0
+        assert got.stats.quality is not None and got.stats.quality["served"] == "exact"
+        assert ("reason" in got.stats.quality) == (target != "exact")
+
+
+def test_a_met_quality_target_is_served_by_its_calibrated_setting(make_tiny_engine, monkeypatch):
+    engine = make_tiny_engine()
+    served = Calibration(engine.fingerprint, "round", "none@0", 0.0, "sibling", 0.0, 1.0, 0.5)
+    monkeypatch.setattr(quality, "CALIBRATIONS", (served,))
+    spec = RecoverySpec(quality="greedy", gate=None, round=ROUND)
+    outs = engine.generate([sibling(0, "ab", spec), sibling(1, "ba", spec)])
+    for out in outs:
+        assert out.stats.quality == {"target": "greedy", "served": "none@0"}
+        assert out.stats.recovery is not None and "refused" not in out.stats.recovery
+    assert outs[1].stats.recovery["reused_tokens"] == len(OUTPUTS["a"]) + len(OUTPUTS["b"])

@@ -135,6 +135,11 @@ def approximate(run: Any, named: dict[str, list[int]]) -> dict[str, Any]:
     out["same_salt_after"] = run("swapped", salt=salt)  # asked for it: served
     # Approximate without an approximate salt: refused, computed exactly.
     out["refused"] = run("swapped", kmesh=none)
+    # Quality targets under an approximate salt of their own: exact, and greedy, which no
+    # calibration meets on the embedded model: both served as ordinary requests, saying so.
+    for target in ("exact", "greedy"):
+        ask = kmesh(["h2", "h1"], quality=target)
+        out[f"quality_{target}"] = run("swapped", salt="kmesh-approx:quality", kmesh=ask)
     out |= kept_output(run, named)
     return out
 

@@ -126,6 +126,15 @@ def test_approximate_recovery_without_an_approximate_salt_is_computed_exactly(re
     assert got["ids"] == result["vanilla"]["swapped"]
 
 
+@pytest.mark.parametrize("target", ["exact", "greedy"])
+def test_a_quality_target_served_exactly_gives_vanilla_vllms_tokens_and_says_so(result, target):
+    got = result[f"quality_{target}"]
+    assert got["quality"]["target"] == target and got["quality"]["served"] == "exact"
+    assert ("reason" in got["quality"]) == (target == "greedy")
+    assert "recovery" not in got and got["recovered_tokens"] == 0
+    assert got["ids"] == result["vanilla"]["swapped"]
+
+
 def test_a_kept_output_is_reused_by_a_later_reader_as_its_authors_kv(result):
     author, reader = result["kept_author"], result["kept_reader"]
     generated = len(author["ids"])

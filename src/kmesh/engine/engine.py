@@ -11,7 +11,7 @@ they may share is engine/adapters.py's rule.
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,7 @@ from kmesh.engine.store_link import StoreLink
 from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
 from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.kv_cache import PagedKVCache
+from kmesh.recovery.quality import resolve_quality
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
 from kmesh.state.request_meta import recovery_refusal
 
@@ -85,6 +86,7 @@ class Engine:
                 f"({kv_cache_tokens}) at least one block"
             )
         self.executor = executor
+        self.fingerprint = model_fingerprint
         self.config = executor.config
         self.decode = decode
         self.adapters = Adapters(adapters)
@@ -149,12 +151,13 @@ class Engine:
                 self.families.add_state(request.request_id)
             seq = Sequence.from_request(request, lora=self.adapters.use(request))
             if request.recovery is not None:
-                refusal = recovery_refusal(
-                    request.recovery.spec, request.tenant_salt, request.adapter
-                )
-                if refusal is None:
-                    seq.recovery = request.recovery
-                else:
+                spec, seq.stats.quality = resolve_quality(request.recovery.spec, self.fingerprint)
+                refusal = None
+                if spec is not None:
+                    refusal = recovery_refusal(spec, request.tenant_salt, request.adapter)
+                if spec is not None and refusal is None:
+                    seq.recovery = replace(request.recovery, spec=spec)
+                elif refusal is not None:
                     seq.stats.recovery = {"refused": refusal}
             self.scheduler.add(seq)
             return

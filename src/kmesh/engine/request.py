@@ -113,6 +113,8 @@ class RequestStats:
     recovered_tokens: int = 0
     # With Request.recovery: its RecoveryReport (as a dict), or {"refused": why}.
     recovery: dict[str, Any] | None = None
+    # With a quality target: what served it (kmesh/recovery/quality.py).
+    quality: dict[str, Any] | None = None
     # Generated tokens whose KV was kept for later readers (Request.keep_output).
     kept_output_tokens: int = 0
     output_tokens: int = 0

@@ -334,6 +334,8 @@ def _last_delta(output: RequestOutput, request: _Live) -> Delta:
     stats: dict[str, Any] = {name: getattr(output.stats, name) for name in STAT_NAMES}
     if output.stats.recovery is not None:
         stats["recovery"] = output.stats.recovery
+    if output.stats.quality is not None:
+        stats["quality"] = output.stats.quality
     if output.stats.kept_output_tokens:  # as vLLM's connector reports it
         stats["kept_output_tokens"] = output.stats.kept_output_tokens
     sent = request.num_sent

@@ -22,6 +22,7 @@ when the engine stops.
                   "round": {"id": "r1", "segments": ["out-0-0", ..., "out-0-7"]}}}
 """
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -35,6 +36,8 @@ KMESH_PARAMS_KEY = "kmesh"
 # files blocks under the salt, so approximate KV never reaches a request that did not ask for it.
 APPROX_SALT_PREFIX = "kmesh-approx"
 MAX_NAME_CHARS = 200
+# recovery.quality's targets (kmesh/recovery/quality.py).
+QUALITY_TARGET = re.compile(r"exact|greedy|kl:(?P<kl>[0-9]*\.?[0-9]+(?:[eE]-?[0-9]+)?)")
 
 
 class SegmentSpec(BaseModel):
@@ -92,7 +95,9 @@ class RecoverySpec(BaseModel):
     and every round, reuse stored segment KV or the round's master, re-rotated, and recompute
     `ratio` of it: approximate, so they need a cache_salt starting with APPROX_SALT_PREFIX (the
     prefix cache then keeps their blocks apart from exact requests). A region whose check-layer key
-    deviation exceeds `gate` is left to the engine's own prefill."""
+    deviation exceeds `gate` is left to the engine's own prefill. `quality`, a target in place of
+    policy and ratio, is resolved by each engine to a setting or to exact service
+    (kmesh/recovery/quality.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -104,9 +109,29 @@ class RecoverySpec(BaseModel):
     # random, none): kmesh/recovery/recover.py.
     gate_sample: float = Field(default=0.125, gt=0.0, le=1.0)
     round: RoundSpec | None = None
+    quality: str | None = None  # "exact", "greedy" or "kl:<x>"
+
+    @model_validator(mode="after")
+    def _target_or_knobs(self) -> "RecoverySpec":
+        if self.quality is None:
+            return self
+        if QUALITY_TARGET.fullmatch(self.quality) is None:
+            raise ValueError(
+                f"recovery.quality must be 'exact', 'greedy' or 'kl:<x>' (e.g. kl:0.05), got "
+                f"{self.quality!r}"
+            )
+        knobs = sorted({"policy", "ratio"} & self.model_fields_set)
+        if knobs:
+            raise ValueError(
+                f"recovery.quality replaces {knobs}: send a quality target or the knobs, not both"
+            )
+        return self
 
     @property
     def approximate(self) -> bool:
+        """Whether it may serve approximate KV (a quality target other than exact may)."""
+        if self.quality is not None:
+            return self.quality != "exact"
         return self.policy != "full" or self.round is not None
 
 

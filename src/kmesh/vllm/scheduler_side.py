@@ -249,6 +249,8 @@ class SchedulerSide:
             }
         if tracked.recovery is not None:
             stats["recovery"] = tracked.recovery
+        if tracked.quality is not None:
+            stats["quality"] = tracked.quality
         elif tracked.recovered_tokens:
             self._finishing[request.request_id] = stats  # its report comes in this same step
         if tracked.tail_tokens:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kmesh.errors import KMeshError
+from kmesh.recovery.quality import resolve_quality
 from kmesh.state.keys import BlockHash, KeyNamespace, extend_adapter_block_keys
 from kmesh.state.request_meta import (
     KMESH_PARAMS_KEY,
@@ -46,6 +47,7 @@ class Tracked:
     recovering: bool = False  # its blocks after the local hit are claimed for recovery
     recovered_block_ids: set[int] = field(default_factory=set)
     recovery: dict[str, Any] | None = None  # the worker's report, or why recovery was refused
+    quality: dict[str, Any] | None = None  # what served its quality target (recovery/quality.py)
     running: bool = False
     activation: Activation | None = None  # under an activated adapter (kmesh/vllm/activated.py)
     filling_base: bool = False  # its rows before the activation start are claimed
@@ -66,6 +68,10 @@ class RequestTracker:
 
     def track(self, request: Any) -> Tracked:
         params = _request_params(request)
+        quality = None
+        if params is not None and params.recovery is not None:
+            spec, quality = resolve_quality(params.recovery, self.fingerprint)
+            params = params.model_copy(update={"recovery": spec})
         lora = request.lora_request
         prompt = list(request.prompt_token_ids or [])
         base = KeyNamespace(self.fingerprint, None, request.cache_salt)
@@ -90,6 +96,7 @@ class RequestTracker:
             spans,
             activation=activation,
             takes_tails=plain,
+            quality=quality,
         )
 
     def _spans(self, request: Any, params: KMeshParams) -> list[Span]:

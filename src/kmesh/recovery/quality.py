@@ -1,0 +1,85 @@
+"""Quality targets: what a caller asks of recovery instead of a policy and a ratio
+(`recovery.quality`, both engines; `kmesh serve --reuse-messages --quality`).
+
+- "exact": no approximation: the request is served as an ordinary one, its prompt computed by the
+  engine itself after its exact prefix hits (vanilla prefix caching's tokens, any salt).
+- "kl:<x>": the cheapest calibrated setting whose next-token KL p95 against full prefill, measured
+  on held-out traces, is at most x.
+- "greedy": the cheapest calibrated setting whose outputs, generated closed loop from its own
+  state on held-out traces, were identical to full prefill's in at least GREEDY_SHARE of every
+  round's agents.
+
+A calibration is one setting of the recovery knobs measured by `kmesh bench allgather --frontier`
+on one model (its fingerprint) for one kind of request: "round" (a declared round: collective
+recovery) or "request" (per-request recovery). Only settings cheaper than vanilla prefix caching
+are kept. A target that no calibration of the request's model and kind meets is served exactly, as
+is every target on a model without calibrations; the request's stats say which:
+`quality: {"target", "served": <setting> | "exact", "reason"?}`. A target is never met silently by
+a setting the data did not show meeting it.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kmesh.state.request_meta import QUALITY_TARGET, RecoverySpec
+
+# "greedy": the least share of a round's outputs identical to full prefill's.
+GREEDY_SHARE = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    model: str  # the model's fingerprint (compute/fingerprint.py)
+    kind: str  # "round" or "request"
+    label: str  # the frontier point, e.g. "collective@agent_ratio=0.3,master=sibling"
+    ratio: float  # the recovery's ratio (a round: its agents' ratio)
+    master: str | None  # a round's master choice
+    kl_p95: float  # held out: the next-token KL p95 against full prefill
+    identical_min: float  # held out: the least closed-loop identical share over rounds >= 1
+    tokens_over_prefix: float  # closed-loop computed tokens over vanilla prefix caching's
+
+
+# Settings measured on the embedded model; none qualifies yet (see docs/COLLECTIVE.md, "The
+# frontier"): every target but exact is served exactly.
+CALIBRATIONS: tuple[Calibration, ...] = ()
+
+
+def meets(target: str, calibration: Calibration) -> bool:
+    if target == "greedy":
+        return calibration.identical_min >= GREEDY_SHARE
+    found = QUALITY_TARGET.fullmatch(target)
+    assert found is not None and found["kl"] is not None
+    return calibration.kl_p95 <= float(found["kl"])
+
+
+def resolve_quality(
+    spec: RecoverySpec, model: str, calibrations: Sequence[Calibration] | None = None
+) -> tuple[RecoverySpec | None, dict[str, Any] | None]:
+    """The recovery a request's quality target resolves to (None: served exactly, without
+    recovery) and what its stats say of it (None when it names no target); `calibrations`:
+    CALIBRATIONS unless given."""
+    calibrations = CALIBRATIONS if calibrations is None else calibrations
+    target = spec.quality
+    if target is None:
+        return spec, None
+    if target == "exact":
+        return None, {"target": target, "served": "exact"}
+    kind = "round" if spec.round is not None else "request"
+    met = [
+        c
+        for c in calibrations
+        if c.model == model and c.kind == kind and c.tokens_over_prefix < 1 and meets(target, c)
+    ]
+    if not met:
+        reason = (
+            f"no recovery setting measured on this model for a {kind} meets {target!r} at less "
+            "compute than prefix caching (kmesh.recovery.quality)"
+        )
+        return None, {"target": target, "served": "exact", "reason": reason}
+    best = min(met, key=lambda c: c.tokens_over_prefix)
+    update: dict[str, Any] = {"policy": "kv_deviation", "ratio": best.ratio, "quality": None}
+    if spec.round is not None and best.master is not None:
+        update["round"] = spec.round.model_copy(update={"master": best.master})
+    note = {"target": target, "served": best.label}
+    return spec.model_copy(update=update), note
