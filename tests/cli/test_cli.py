@@ -75,6 +75,19 @@ def test_model_info_names_the_cache_and_config():
         (["bench", "lora", "--context-tokens", "10", "--json", "x.json"], "at least 64"),
         (["adapters", "prepare", "--count", "0"], "--count must be at least 1"),
         (["serve", "--engine", "reference", "--recovery-bytes", "lots"], "--recovery-bytes takes"),
+        (["serve", "--engine", "reference", "--quality", "greedy"], "need --reuse-messages"),
+        (
+            ["serve", "--engine", "reference", "--reuse-messages", "--quality", "kl:x"],
+            "--quality takes exact, greedy",
+        ),
+        (
+            ["serve", "--engine", "reference", "--reuse-messages", "--quality", "greedy"]
+            + ["--reuse-ratio", "0.2"],
+            "give one of them",
+        ),
+        (["bench", "council", "--quality", "best", "--json", "x.json"], "--quality takes"),
+        (["bench", "council", "--ratios", "", "--json", "x.json"], "nothing to run"),
+        (["bench", "allgather", "--plot", "f.png", "--json", "x.json"], "needs --frontier"),
         (["serve", "--engine", "reference", "--api-keys", "/no/such/keys"], "--api-keys: cannot"),
         (
             ["store", "serve", "--socket", "/tmp/x", "--capacity", "1M", "--api-keys", "/no/keys"],

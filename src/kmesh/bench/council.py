@@ -148,29 +148,33 @@ def _served(server: ServerProcess, python: Path, cfg: CouncilConfig, work: Path)
 
 
 def run_council_bench(
-    cfg: CouncilConfig, engine: str, ratios: tuple[float, ...], python: Path, log: Any = print
+    cfg: CouncilConfig,
+    engine: str,
+    ratios: tuple[float, ...],
+    python: Path,
+    log: Any = print,
+    qualities: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Vanilla vLLM, then `kmesh serve --engine ENGINE --reuse-messages --reuse-ratio R` for
-    each ratio, on one council; per round, KMesh's counters beside vanilla's and the share of
-    its messages identical to vanilla's (module docstring)."""
+    """Vanilla vLLM, then `kmesh serve --engine ENGINE --reuse-messages` at each --reuse-ratio
+    R and each --quality target, on one council; per round, KMesh's counters beside vanilla's
+    and the share of its messages identical to vanilla's (module docstring)."""
     from kmesh.vllm.config import vllm_engine_kwargs
 
     model = [] if cfg.model is None else ["--model", cfg.model]
+    settings = [("--reuse-ratio", f"{r:g}") for r in ratios]
+    settings += [("--quality", target) for target in qualities]
     with tempfile.TemporaryDirectory(prefix="kmesh-council-") as tmp:
         work = Path(tmp)
         log("vanilla vLLM's server (prefix caching), then the council against it")
         kwargs = vllm_engine_kwargs(cfg.model, connector=False)
         vanilla = _served(start_vllm_server(kwargs, work / "vllm.log"), python, cfg, work)
         runs = []
-        for ratio in ratios:
-            log(
-                f"kmesh serve --engine {engine} --reuse-messages --reuse-ratio {ratio}, then the "
-                "council"
-            )
-            options = ("--reuse-messages", "--reuse-ratio", str(ratio), *model)
+        for flag, value in settings:
+            log(f"kmesh serve --engine {engine} --reuse-messages {flag} {value}, then the council")
+            options = ("--reuse-messages", flag, value, *model)
             server = start_kmesh_serve(engine, work / "kmesh.log", options, timeout=400)
             run = _served(server, python, cfg, work)
-            run["ratio"] = ratio
+            run["setting"] = f"{flag.removeprefix('--')} {value}"
             run["identical_to_vanilla"] = [
                 sum(a == b for a, b in zip(ours, base, strict=True)) / len(base)
                 for ours, base in zip(run["messages"], vanilla["messages"], strict=True)

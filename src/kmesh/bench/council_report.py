@@ -10,7 +10,7 @@ from rich.console import Console
 from kmesh.bench.common import report_table
 
 HEADER = (
-    "ratio",
+    "setting",
     "round",
     "prompt tokens",
     "vanilla computed",
@@ -36,7 +36,8 @@ def _title(cfg: dict[str, Any]) -> str:
 
 
 def _rows(result: dict[str, Any]) -> list[list[str]]:
-    """Per KMesh ratio, a row per round and one for all rounds, in HEADER's order."""
+    """Per KMesh setting (a ratio or a quality target), a row per round and one for all rounds,
+    in HEADER's order."""
     vanilla = result["vanilla"]["rounds"]
     rows = []
     for run in result["kmesh"]:
@@ -45,7 +46,7 @@ def _rows(result: dict[str, Any]) -> list[list[str]]:
         labelled.append(("all", _totals(vanilla), _totals(run["rounds"]), None))
         rows += [
             [
-                f"{run['ratio']:g}",
+                run["setting"],
                 label,
                 f"{ours['prompt']:.0f}",
                 f"{base['computed']:.0f}",
@@ -65,12 +66,12 @@ def print_report(result: dict[str, Any], console: Console) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Computed prompt tokens per round: vanilla vLLM beside KMesh at each ratio."""
+    """Computed prompt tokens per round: vanilla vLLM beside KMesh at each setting."""
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     sides = [("vanilla vLLM", result["vanilla"]["rounds"])]
-    sides += [(f"KMesh, ratio {run['ratio']:g}", run["rounds"]) for run in result["kmesh"]]
+    sides += [(f"KMesh, {run['setting']}", run["rounds"]) for run in result["kmesh"]]
     rounds = range(len(sides[0][1]))
     width = 0.8 / len(sides)
     for i, (label, counters) in enumerate(sides):

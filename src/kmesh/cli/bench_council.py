@@ -5,6 +5,7 @@ import argparse
 from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
+from kmesh.state.request_meta import QUALITY_TARGET
 
 
 def _bench_council(args: argparse.Namespace) -> None:
@@ -14,10 +15,23 @@ def _bench_council(args: argparse.Namespace) -> None:
     cfg = config_from_args(CouncilConfig, args)
     python = client_python(args.client_python)
     log = progress()
-    ratios = tuple(float(r) for r in args.ratios.split(","))
+    try:
+        ratios = tuple(float(r) for r in args.ratios.split(",") if r)
+    except ValueError:
+        raise InvalidRequestError(
+            f"--ratios are numbers, comma-separated, got {args.ratios!r}"
+        ) from None
     if not all(0 <= r <= 1 for r in ratios):
         raise InvalidRequestError(f"--ratios are shares in [0, 1], got {args.ratios}")
-    result = run_council_bench(cfg, args.engine, ratios, python, log)
+    qualities = tuple(q for q in args.quality.split(",") if q)
+    for target in qualities:
+        if QUALITY_TARGET.fullmatch(target) is None:
+            raise InvalidRequestError(
+                f"--quality takes exact, greedy or kl:<x>, comma-separated, got {target!r}"
+            )
+    if not ratios and not qualities:
+        raise InvalidRequestError("nothing to run: give --ratios or --quality")
+    result = run_council_bench(cfg, args.engine, ratios, python, log, qualities)
     emit_report(args, result, print_report, plot)
 
 
@@ -33,7 +47,12 @@ def register(benches: Commands) -> None:
     council.add_argument(
         "--ratios",
         default="0.3",
-        help="kmesh serve --reuse-ratio values to run, comma-separated (default 0.3)",
+        help="kmesh serve --reuse-ratio values to run, comma-separated (default 0.3; '' for none)",
+    )
+    council.add_argument(
+        "--quality",
+        default="",
+        help="kmesh serve --quality targets to run too, comma-separated (e.g. greedy,kl:0.05)",
     )
     council.add_argument(
         "--client-python",

@@ -4,9 +4,22 @@ import argparse
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from kmesh.cli.common import Commands, add_model_option, add_store_option, check_store
 from kmesh.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kmesh.state.request_meta import RecoverySpec
+
+
+def _quality_reuse(target: str) -> "RecoverySpec":
+    """--reuse-messages' recovery with a quality target in place of the policy and ratio."""
+    from kmesh.state.request_meta import QUALITY_TARGET, RecoverySpec
+
+    if QUALITY_TARGET.fullmatch(target) is None:
+        raise InvalidRequestError(f"--quality takes exact, greedy or kl:<x>, got {target!r}")
+    return RecoverySpec(quality=target)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -21,14 +34,18 @@ def _serve(args: argparse.Namespace) -> None:
         from kmesh.serve.jobs import REUSE_MESSAGES
 
         reuse_messages = REUSE_MESSAGES
+        if args.reuse_ratio is not None and args.quality is not None:
+            raise InvalidRequestError("--quality replaces --reuse-ratio: give one of them")
         if args.reuse_ratio is not None:
             if not 0 <= args.reuse_ratio <= 1:
                 raise InvalidRequestError(
                     f"--reuse-ratio must be in [0, 1], got {args.reuse_ratio}"
                 )
             reuse_messages = REUSE_MESSAGES.model_copy(update={"ratio": args.reuse_ratio})
-    elif args.reuse_ratio is not None:
-        raise InvalidRequestError("--reuse-ratio needs --reuse-messages")
+        if args.quality is not None:
+            reuse_messages = _quality_reuse(args.quality)
+    elif args.reuse_ratio is not None or args.quality is not None:
+        raise InvalidRequestError("--reuse-ratio and --quality need --reuse-messages")
     api_keys = None
     if args.api_keys is not None:
         from kmesh.state.tenants import load_api_keys
@@ -130,6 +147,13 @@ def register(commands: Commands) -> None:
         default=None,
         help="with --reuse-messages: share of the reused rows recomputed (default: "
         "per-request recovery's; docs/SERVE.md has the sweep)",
+    )
+    serve.add_argument(
+        "--quality",
+        default=None,
+        help="with --reuse-messages: a quality target in place of --reuse-ratio: exact, greedy "
+        "or kl:<x> (kmesh/recovery/quality.py; a target the server cannot meet is served "
+        "exactly, and the response's kmesh.quality says so)",
     )
     add_store_option(serve)
     serve.add_argument(
