@@ -81,8 +81,10 @@ def test_model_info_names_the_cache_and_config():
             "--quality takes exact, greedy",
         ),
         (
-            ["serve", "--engine", "reference", "--reuse-messages", "--quality", "greedy"]
-            + ["--reuse-ratio", "0.2"],
+            [
+                *("serve", "--engine", "reference", "--reuse-messages"),
+                *("--quality", "greedy", "--reuse-ratio", "0.2"),
+            ],
             "give one of them",
         ),
         (["bench", "council", "--quality", "best", "--json", "x.json"], "--quality takes"),

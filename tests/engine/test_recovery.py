@@ -309,7 +309,7 @@ def test_a_quality_target_the_engine_cannot_meet_is_served_exactly_and_says_so(
 
 def test_a_met_quality_target_is_served_by_its_calibrated_setting(make_tiny_engine, monkeypatch):
     engine = make_tiny_engine()
-    served = Calibration(engine.fingerprint, "round", "none@0", 0.0, "sibling", 0.0, 1.0, 0.5)
+    served = Calibration(engine.fingerprint, "round", "none@0", 0.0, "sibling", None, 0.0, 1.0, 0.5)
     monkeypatch.setattr(quality, "CALIBRATIONS", (served,))
     spec = RecoverySpec(quality="greedy", gate=None, round=ROUND)
     outs = engine.generate([sibling(0, "ab", spec), sibling(1, "ba", spec)])

@@ -18,6 +18,7 @@ def calibration(label: str, **fields) -> Calibration:
         "label": label,
         "ratio": 0.3,
         "master": "sibling",
+        "gate": 0.1,
         "kl_p95": 0.05,
         "identical_min": 0.5,
         "tokens_over_prefix": 0.5,
@@ -64,7 +65,9 @@ def test_a_target_no_calibration_meets_is_served_exactly_and_says_why():
 def test_the_cheapest_setting_that_meets_the_target_serves_it():
     settings = [
         calibration("dear", ratio=0.5, master="common", kl_p95=0.01, tokens_over_prefix=0.8),
-        calibration("cheap", ratio=0.1, master="common", kl_p95=0.04, tokens_over_prefix=0.4),
+        calibration(
+            "cheap", ratio=0.1, master="common", gate=0.01, kl_p95=0.04, tokens_over_prefix=0.4
+        ),
         calibration("too loose", ratio=0.0, kl_p95=0.2, tokens_over_prefix=0.2),
         calibration("dearer than prefix", ratio=0.9, kl_p95=0.0, tokens_over_prefix=1.1),
     ]
@@ -72,6 +75,11 @@ def test_the_cheapest_setting_that_meets_the_target_serves_it():
     got, note = resolve_quality(spec, MODEL, settings)
     assert note == {"target": "kl:0.05", "served": "cheap"}
     assert got is not None and got.quality is None and got.approximate
-    assert (got.policy, got.ratio, got.round.master) == ("kv_deviation", 0.1, "common")
+    assert (got.policy, got.ratio, got.gate, got.round.master) == (
+        "kv_deviation",
+        0.1,
+        0.01,
+        "common",
+    )
     got, note = resolve_quality(RecoverySpec(quality="kl:0.001", round=ROUND), MODEL, settings)
     assert got is None and note["served"] == "exact"  # only dearer than prefix caching meets it

@@ -35,6 +35,7 @@ class Calibration:
     label: str  # the frontier point, e.g. "collective@agent_ratio=0.3,master=sibling"
     ratio: float  # the recovery's ratio (a round: its agents' ratio)
     master: str | None  # a round's master choice
+    gate: float | None  # the gate's threshold: a region deviating more is computed exactly
     kl_p95: float  # held out: the next-token KL p95 against full prefill
     identical_min: float  # held out: the least closed-loop identical share over rounds >= 1
     tokens_over_prefix: float  # closed-loop computed tokens over vanilla prefix caching's
@@ -78,7 +79,12 @@ def resolve_quality(
         )
         return None, {"target": target, "served": "exact", "reason": reason}
     best = min(met, key=lambda c: c.tokens_over_prefix)
-    update: dict[str, Any] = {"policy": "kv_deviation", "ratio": best.ratio, "quality": None}
+    update: dict[str, Any] = {
+        "policy": "kv_deviation",
+        "ratio": best.ratio,
+        "gate": best.gate,
+        "quality": None,
+    }
     if spec.round is not None and best.master is not None:
         update["round"] = spec.round.model_copy(update={"master": best.master})
     note = {"target": target, "served": best.label}
