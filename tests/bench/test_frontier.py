@@ -2,6 +2,8 @@
 runner on fake measurements, and one tiny run through the reference engine with the table and
 the plot."""
 
+import json
+
 import pytest
 
 from kmesh.bench.allgather import AllGatherBench
@@ -12,6 +14,7 @@ from kmesh.bench.frontier import (
     POINTS,
     Point,
     axes,
+    calibration_rows,
     collective_below,
     frontier_loops,
     frontier_report,
@@ -21,6 +24,7 @@ from kmesh.bench.frontier import (
 from kmesh.bench.frontier_report import below_lines, frontier_rows, plot_frontier
 from kmesh.engine.engine import Engine
 from tests.bench.test_closed_loop import WORKLOAD, ByteTokenizer
+from tests.cli.test_cli import kmesh_in_process
 from tests.conftest import synthetic_allgather_turns
 
 
@@ -172,3 +176,44 @@ def test_the_table_and_the_plot(tiny_frontier, tmp_path):
     assert below_lines(tiny_frontier["frontier"])
     plot_frontier(tiny_frontier, tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 0
+
+
+def frontier_of(points: dict[str, tuple[float, list[float], float]], prefix: float) -> dict:
+    """A report's frontier: per label (KL p95, identical share per round, closed-loop tokens)."""
+    rows = [
+        {
+            "label": label,
+            "strategy": label.split("@")[0],
+            "knobs": {},
+            "quality": {"kl_p95": kl},
+            "closed_loop": loop([tokens, 0.0], shares),
+        }
+        for label, (kl, shares, tokens) in points.items()
+    ]
+    return frontier_report(rows, {"prefix": loop([prefix, 0.0], [1.0, 1.0])})
+
+
+def test_a_calibration_keeps_each_settings_worst_figures_over_the_traces():
+    one = frontier_of({"c@a": (0.02, [1.0, 0.9], 50), "c@b": (0.1, [1.0, 0.5], 20)}, 100)
+    two = frontier_of({"c@a": (0.03, [1.0, 0.8], 60), "c@gone": (0.0, [1.0, 1.0], 1)}, 120)
+    [row] = calibration_rows([one, two])  # c@b and c@gone were not measured on both traces
+    assert row["label"] == "c@a" and row["kl_p95"] == 0.03
+    assert row["identical_min"] == 0.8 and row["tokens_over_prefix"] == 0.5  # max(50/100, 60/120)
+
+
+def test_the_calibrate_command_prints_and_writes_the_worst_figures(tmp_path, capsys):
+    paths = []
+    for i, frontier in enumerate(
+        [
+            frontier_of({"c@a": (0.02, [1.0, 0.9], 50)}, 100),
+            frontier_of({"c@a": (0.04, [1.0, 1.0], 90)}, 100),
+        ]
+    ):
+        path = tmp_path / f"f{i}.json"
+        path.write_text(json.dumps({"config": {"model": "m" * 64}, "frontier": frontier}))
+        paths.append(str(path))
+    out = tmp_path / "calibration.json"
+    args = ["bench", "calibrate", "--frontiers", ",".join(paths), "--json", str(out)]
+    assert kmesh_in_process(args, capsys) == (0, "")
+    [row] = json.loads(out.read_text())["settings"]
+    assert (row["kl_p95"], row["identical_min"], row["tokens_over_prefix"]) == (0.04, 0.9, 0.9)

@@ -90,6 +90,7 @@ def test_model_info_names_the_cache_and_config():
         (["bench", "council", "--quality", "best", "--json", "x.json"], "--quality takes"),
         (["bench", "council", "--ratios", "", "--json", "x.json"], "nothing to run"),
         (["bench", "allgather", "--plot", "f.png", "--json", "x.json"], "needs --frontier"),
+        (["bench", "calibrate", "--frontiers", "/no/a.json", "--json", "x.json"], "cannot read"),
         (["serve", "--engine", "reference", "--api-keys", "/no/such/keys"], "--api-keys: cannot"),
         (
             ["store", "serve", "--socket", "/tmp/x", "--capacity", "1M", "--api-keys", "/no/keys"],

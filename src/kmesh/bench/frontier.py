@@ -167,3 +167,34 @@ def collective_below(
                 }
             )
     return below
+
+
+def calibration_rows(frontiers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The points measured in every one of `frontiers` (reports' `frontier`, each on its own
+    trace), each with its worst figures over them: the largest next-token KL p95 and closed-loop
+    tokens over vanilla prefix caching's, the least closed-loop identical share of any round
+    >= 1. What kmesh/recovery/quality.py's calibrations record: a setting meets a target only
+    if it met it on every trace."""
+    by_label = [{p["label"]: p for p in f["points"]} for f in frontiers]
+    rows = []
+    for label, first in by_label[0].items():
+        found = [points.get(label) for points in by_label]
+        if any(p is None for p in found):
+            continue
+        points = [p for p in found if p is not None]
+        prefix = [f["anchors"]["prefix"]["tokens"] for f in frontiers]
+        shares = [p["closed_loop"]["identical_share_per_round"] for p in points]
+        rows.append(
+            {
+                "label": label,
+                "strategy": first["strategy"],
+                "knobs": first["knobs"],
+                "kl_p95": max(p["quality"]["kl_p95"] for p in points),
+                "identical_min": min(min(s[1:] or s) for s in shares),
+                "tokens_over_prefix": round(
+                    max(p["closed_loop_tokens"] / t for p, t in zip(points, prefix, strict=True)),
+                    4,
+                ),
+            }
+        )
+    return rows

@@ -8,6 +8,9 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from rich.console import Console
+
+from kmesh.bench.common import report_table
 
 FRONTIER_HEADER = (
     "point",
@@ -106,3 +109,19 @@ def plot_frontier(result: dict[str, Any], path: Path) -> None:
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
+
+
+def print_calibration(result: dict[str, Any], console: Console) -> None:
+    """`kmesh bench calibrate`'s table: each setting's worst figures over the traces."""
+    rows = [
+        [
+            s["label"],
+            f"{s['kl_p95']:.4f}",
+            f"{s['identical_min']:.3f}",
+            f"{s['tokens_over_prefix']:.3f}",
+        ]
+        for s in result["settings"]
+    ]
+    header = ("setting", "KL p95 (max)", "identical, least round", "tokens / prefix (max)")
+    title = f"worst over {len(result['frontiers'])} traces, model {result['model'][:12]}"
+    console.print(report_table(header, rows, title))

@@ -16,6 +16,7 @@ from kmesh.cli import (
     adapters,
     bench_agents,
     bench_allgather,
+    bench_calibrate,
     bench_capacity,
     bench_council,
     bench_fork,
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_capacity,
         bench_agents,
         bench_signals,
+        bench_calibrate,
     ):
         command.register(benches)
     adapters.register(commands)
