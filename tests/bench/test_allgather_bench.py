@@ -1,9 +1,13 @@
 """The All-Gather benchmark's plumbing on the tiny model and a synthetic trace."""
 
+from dataclasses import replace
+
 import pytest
 
 from kmesh.bench.allgather import AllGatherBench
 from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
+from kmesh.recovery import quality
+from kmesh.recovery.quality import Calibration
 from tests.conftest import synthetic_allgather_turns
 
 EXACT_KL = 1e-6  # fp32 with different reduction orders; a real difference is > 1e-3 here
@@ -118,3 +122,20 @@ def test_the_sweep_varies_each_variants_own_knob(tiny, turns):
     computed = {(r["strategy"], r["ratio"]): r["computed_tokens"] for r in rows}
     for variant in ("per_request", "collective", "collective_shared"):
         assert computed[(variant, 0.0)] < computed[(variant, 1.0)], variant
+
+
+def test_a_quality_target_runs_its_calibrated_knobs_or_exactly(tiny, turns, monkeypatch):
+    executor, fingerprint = tiny
+    cfg = AllGatherBenchConfig(block_size=4, greedy_tokens=4, gate=None, quality="greedy")
+    bench = AllGatherBench(executor, fingerprint, turns, cfg)
+    prefix = bench.run("prefix")
+    for name in ("per_request", "collective"):  # no calibration of the tiny model: exact
+        run = bench.run(name)
+        assert run.name == name and run.extra["quality_served"] == "exact"
+        assert run.computed == prefix.computed and run.greedy == prefix.greedy
+    served = Calibration(fingerprint, "round", "c", 0.0, "sibling", None, 0.0, 1.0, 0.5)
+    monkeypatch.setattr(quality, "CALIBRATIONS", (served,))
+    run = bench.run("collective")  # the calibrated knobs: agent ratio 0, no gate
+    plain = bench.run_at("collective", replace(cfg, quality=None, agent_ratio=0.0))
+    assert "quality_served" not in run.extra and run.computed == plain.computed
+    assert run.computed_tokens < prefix.computed_tokens

@@ -151,7 +151,10 @@ def tiny_frontier(tiny):
         )
 
     report = run_frontier(
-        cfg, lambda _, name, point: bench.measure(name, point), closed_loops, points=points
+        cfg,
+        lambda _, name, point: bench.summary(bench.run_at(name, point)),
+        closed_loops,
+        points=points,
     )
     return {"config": {"agents": 3, "rounds": 2}, "frontier": report}
 

@@ -35,3 +35,14 @@ def test_the_other_strategies_declare_no_next_use():
     for name in ("full", "prefix", "per_request"):
         _, kmesh = strategy_request(name, 1, turn(1, 2), cfg, AGENTS)
         assert "next_use" not in (kmesh or {}), name
+
+
+def test_a_quality_target_is_sent_in_place_of_the_knobs():
+    cfg = AllGatherBenchConfig(quality="greedy", recompute_ratio=0.7)
+    for name in ("per_request", "collective"):
+        _, kmesh = strategy_request(name, 1, turn(1, 2), cfg, AGENTS)
+        recovery = KMeshParams.model_validate(kmesh).recovery
+        assert recovery is not None and recovery.quality == "greedy"
+        assert not {"policy", "ratio", "gate"} & set(kmesh["recovery"]), name
+    _, plain = strategy_request("per_request", 1, turn(1, 2), AllGatherBenchConfig(), AGENTS)
+    assert plain["recovery"]["ratio"] == 0.3 and "quality" not in plain["recovery"]

@@ -2,10 +2,9 @@
 
 Strategies, all replaying the same prompts (a trace from workloads/allgather.py):
 - full: every prompt computed from scratch; the reference for quality.
-- prefix: exact prefix reuse: each agent keeps its own transcript's KV (its previous prompt
-  minus the instruction is a prefix of its next one) and the system prompt is computed once for
-  all agents; the rest of each prompt is computed. Token-granular: the best case of block-granular
-  caching.
+- prefix: exact prefix reuse: each agent keeps its own transcript's KV (its previous prompt minus
+  the instruction is a prefix of its next one), the system prompt computed once for all agents,
+  the rest of each prompt computed. Token-granular: the best case of block-granular caching.
 - per_request: prefix reuse, plus position-independent reuse of the round's outputs, recovered per
   agent with the policy (CacheBlend / EPIC style): each output's stored KV comes from its author's
   context, is re-rotated to the agent's positions and partly recomputed there.
@@ -14,21 +13,21 @@ Strategies, all replaying the same prompts (a trace from workloads/allgather.py)
   or ("common") recovered once in the agents' common context (system prompt and earlier rounds'
   masters; from the same stored KV, at `shared_ratio`, by default 1.0: computed in full); every
   other agent's mirror re-places them and the policy recomputes `agent_ratio` of its blocks.
+With a quality target (`quality`), per_request and collective run at the knobs it resolves to on
+this model, or as prefix where it is served exactly (kmesh/recovery/quality.py).
 
 The outputs' stored KV is the by-product of generation: each output computed after its author's
-full prompt (the reference run gives it; it is decode work, not counted as prefill). Headers and
-closing tokens around an output were not in its author's context and are computed.
+full prompt (decode work, not counted as prefill). Headers and closing tokens around an output
+were not in its author's context and are computed.
 
-Accounting: computed_tokens = token-layers computed / layers (a token computed through 2 of 30
-layers counts 2/30), every round; prefill_seconds = wall time of the strategy's prefill work
-(recovery, restore, selection included); kv_bytes_per_agent = bytes stored per agent for the
-rounds' output regions in whole blocks (dense copies for full, prefix and per_request; master plus
-mirrors divided by the agents for collective). A round's new tokens are those of the distinct
-segments of its prompts that no earlier round's prompt held (workloads/allgather.py::new_tokens).
-Quality is measured on every prompt that holds outputs (rounds >= 1; round-0 prompts hold none and
-every strategy computes them exactly): KL of the next-token distribution at the first generated
-position, top-1 agreement and the common prefix of 32 greedy tokens decoded from each strategy's
-own KV.
+Accounting: computed_tokens = token-layers computed / layers, every round; prefill_seconds = wall
+time of the strategy's prefill work (recovery, restore, selection included); kv_bytes_per_agent =
+bytes stored per agent for the rounds' output regions in whole blocks (dense copies for full,
+prefix and per_request; master plus mirrors divided by the agents for collective). A round's new
+tokens: its prompts' distinct segments no earlier round held (workloads/allgather.py::new_tokens).
+Quality, on every prompt of rounds >= 1 (round 0 holds no outputs; all compute it exactly): KL of
+the next-token distribution at the first generated position, top-1 agreement, and the common
+prefix of 32 greedy tokens decoded from each strategy's own KV.
 """
 
 import time
@@ -100,15 +99,24 @@ class AllGatherBench:
 
     def run(self, name: str) -> StrategyRun:
         self.progress(name)
+        if name in ("per_request", "collective") and self.cfg.quality is not None:
+            return self._run_target(name)
+        runs = {"prefix": self.run_prefix, "per_request": self.run_per_request}
+        runs["collective"] = self.run_collective
         if name == "full":
             return self.reference
-        if name == "prefix":
-            return self.run_prefix()
-        if name == "per_request":
-            return self.run_per_request()
-        if name == "collective":
-            return self.run_collective()
-        raise ValueError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
+        if name not in runs:
+            raise ValueError(f"unknown strategy {name!r}; choose one of {STRATEGIES}")
+        return runs[name]()
+
+    def _run_target(self, name: str) -> StrategyRun:
+        """`name` at the knobs its quality target resolves to, or exactly (as prefix), as served."""
+        cfg = self.cfg.resolved(name, self.fingerprint)
+        if cfg is None:
+            run = self.run_prefix()
+            run.name, run.extra["quality_served"] = name, "exact"
+            return run
+        return self.run_at(name, cfg)
 
     def summary(self, run: StrategyRun) -> dict[str, Any]:
         return summary_of(run, self.reference)
@@ -127,15 +135,15 @@ class AllGatherBench:
             for ratio in ratios:
                 for label, strategy, knob, fixed in SWEEP_VARIANTS:
                     overrides: dict[str, Any] = {"policy": policy, knob: ratio, **fixed}
-                    row = self.measure(strategy, replace(base, **overrides))
+                    row = self.summary(self.run_at(strategy, replace(base, **overrides)))
                     rows.append(sweep_row(policy, ratio, label, row))
         return rows
 
-    def measure(self, name: str, cfg: AllGatherBenchConfig) -> dict[str, Any]:
-        """Strategy `name`'s summary under `cfg` (the bench's own configuration is kept)."""
+    def run_at(self, name: str, cfg: AllGatherBenchConfig) -> StrategyRun:
+        """Strategy `name` under `cfg` (the bench's own configuration is kept)."""
         base, self.cfg = self.cfg, cfg
         try:
-            return self.summary(self.run(name))
+            return self.run(name)
         finally:
             self.cfg = base
 
@@ -156,8 +164,6 @@ class AllGatherBench:
         """Count round r's outputs (none in round 0), held densely, in the run's KV per agent."""
         if r > 0:
             run.kv_bytes_per_agent += self.inputs.dense_output_bytes(self.rounds[r][0], r)
-
-    # --- the four strategies -------------------------------------------------------------------
 
     def run_full(self) -> StrategyRun:
         """The reference; also stores every output's KV computed after its author's prompt."""
@@ -240,8 +246,6 @@ class AllGatherBench:
             self._finish_round(run, r, turns, transcripts, [s.recovered for s in result.siblings])
         run.extra["restore_bit_identical"] = identical
         return run
-
-    # --- pieces ---------------------------------------------------------------------------------
 
     def _prefill_after_transcripts(
         self, run: StrategyRun, r: int, transcripts: list[Transcript]
@@ -331,7 +335,7 @@ def run_allgather_bench(
         report["sweep"] = bench.sweep(SWEEP_POLICIES, SWEEP_RATIOS)
     if frontier is not None:
         report["frontier"] = run_frontier(
-            cfg, lambda _, name, point: bench.measure(name, point), frontier, progress
+            cfg, lambda _, name, point: bench.summary(bench.run_at(name, point)), frontier, progress
         )
     rows = []
     for other in scale:

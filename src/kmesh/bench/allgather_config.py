@@ -6,13 +6,15 @@ Every field is checked on construction: a value out of range raises InvalidReque
 command-line flag that sets it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kmesh.errors import InvalidRequestError
 from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.recovery.policies import POLICIES
+from kmesh.recovery.quality import resolve_quality
 from kmesh.recovery.recover import RecoveryConfig
+from kmesh.state.request_meta import QUALITY_TARGET, RecoverySpec, RoundSpec
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 SWEEP_POLICIES = ("kv_deviation", "first_k", "random", "none")
@@ -36,6 +38,7 @@ RECOVERY_FIELDS = (
     "check_layer",
     "gate",
     "gate_sample",
+    "quality",
 )
 
 
@@ -57,6 +60,9 @@ class AllGatherBenchConfig:
     gate: float | None = 0.1
     # Share of a region's reused tokens the gate checks when no policy scores them all (recover.py).
     gate_sample: float = 0.125
+    # A quality target in place of the approximate strategies' knobs (kmesh/recovery/quality.py):
+    # each is served the setting it resolves to on the bench's model, or exactly.
+    quality: str | None = None
     block_size: int = 16
     greedy_tokens: int = 32
 
@@ -84,6 +90,10 @@ class AllGatherBenchConfig:
             raise InvalidRequestError(
                 f"--gate-sample must be above 0 and at most 1, got {self.gate_sample}"
             )
+        if self.quality is not None and QUALITY_TARGET.fullmatch(self.quality) is None:
+            raise InvalidRequestError(
+                f"--quality takes exact, greedy or kl:<x>, got {self.quality!r}"
+            )
         if self.block_size < 1 or self.greedy_tokens < 1:
             raise InvalidRequestError("block size and greedy tokens must be at least 1")
 
@@ -92,6 +102,20 @@ class AllGatherBenchConfig:
         return RecoveryConfig(
             policy, ratio, self.check_layer, self.gate, gate_sample=self.gate_sample
         )
+
+    def resolved(self, strategy: str, model: str) -> "AllGatherBenchConfig | None":
+        """The knobs the quality target resolves to for approximate `strategy` (per_request: a
+        request; collective: a round) on `model`; None: served exactly; itself without a target."""
+        if self.quality is None:
+            return self
+        round_ = RoundSpec(id="r", segments=["s"]) if strategy == "collective" else None
+        spec, _ = resolve_quality(RecoverySpec(quality=self.quality, round=round_), model)
+        if spec is None:
+            return None
+        knobs = replace(self, quality=None, policy=spec.policy, gate=spec.gate)
+        if spec.round is None:
+            return replace(knobs, recompute_ratio=spec.ratio)
+        return replace(knobs, agent_ratio=spec.ratio, master=spec.round.master)
 
     def recovery_fields(self) -> dict[str, Any]:
         """The recovery settings as a report's config lists them (both engines' reports)."""

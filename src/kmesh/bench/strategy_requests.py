@@ -39,25 +39,25 @@ def strategy_request(
     salt = f"kmesh-approx:{name}{variant}"
     keep = {"keep_output": True} if name == "per_request" else {}
     segments = [_segment_spec(s) for s in turn.prompt.segments]
-    recovery: dict[str, Any] = {
-        "policy": cfg.policy,
-        "gate": cfg.gate,
-        "check_layer": cfg.check_layer,
-        "gate_sample": cfg.gate_sample,
-    }
+    ratio = cfg.recompute_ratio if name == "per_request" else cfg.agent_ratio
+    recovery: dict[str, Any] = {"check_layer": cfg.check_layer, "gate_sample": cfg.gate_sample}
+    if cfg.quality is not None:  # the engine resolves it (kmesh/recovery/quality.py)
+        recovery["quality"] = cfg.quality
+    else:
+        recovery |= {"policy": cfg.policy, "gate": cfg.gate, "ratio": ratio}
     # Its place in the next round: the store keeps its transcript by it.
     next_use = float((r + 1) * agents + turn.agent)
     if r == 0 and name == "collective":  # no round to declare yet
         return salt, {
             "family": FAMILY,
             "segments": segments,
-            "recovery": {**recovery, "ratio": cfg.agent_ratio},
+            "recovery": recovery,
             "next_use": next_use,
         }
     if name == "per_request":
         return salt, {
             "segments": segments,
-            "recovery": {**recovery, "ratio": cfg.recompute_ratio},
+            "recovery": recovery,
             **keep,
         }
     round_ = {
@@ -69,7 +69,7 @@ def strategy_request(
     return salt, {
         "family": FAMILY,
         "segments": segments,
-        "recovery": {**recovery, "ratio": cfg.agent_ratio, "round": round_},
+        "recovery": {**recovery, "round": round_},
         "next_use": next_use,
     }
 

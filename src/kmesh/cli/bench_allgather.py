@@ -207,6 +207,13 @@ def register(benches: Commands) -> None:
     )
     gather.add_argument("--no-gate", action="store_true", help="no quality gate")
     gather.add_argument(
+        "--quality",
+        default=None,
+        help="per_request and collective by a quality target (exact, greedy or kl:<x>) in "
+        "place of their knobs: each runs at the setting it resolves to on this model, or "
+        "exactly (kmesh/recovery/quality.py)",
+    )
+    gather.add_argument(
         "--sweep",
         action="store_true",
         help="also measure quality vs ratio (reference: every policy; vllm: collective's agent "
