@@ -169,6 +169,8 @@ class VllmAllGatherBench:
                 recovery = stats.get("recovery") or {}
                 run.add(r, computed=computed_of(stats["computed_tokens"], recovery))
                 run.fallbacks += int(recovery.get("fell_back", False))
+                if "quality" in stats:  # what served its quality target, as the bench reports it
+                    run.extra["quality_served"] = stats["quality"]["served"]
                 if recovery.get("deviation") is not None:
                     run.deviations[(r, a)] = recovery["deviation"]
                 masters += recovery.get("master_bytes", 0)
@@ -187,7 +189,7 @@ class VllmAllGatherBench:
             run.kv_bytes_per_agent += masters / agents
             # What a store would keep of the rounds (issue: group state in the store): the
             # masters and every agent's mirror (indices + block-sparse diff).
-            run.extra = {"kv_bytes_master": masters, "kv_bytes_mirror_per_agent": mirrors / agents}
+            run.extra |= {"kv_bytes_master": masters, "kv_bytes_mirror_per_agent": mirrors / agents}
         return run
 
     def _measure(self, run: StrategyRun, r: int, requests: list[tuple[dict, dict | None]]) -> None:
