@@ -83,3 +83,21 @@ def test_the_cheapest_setting_that_meets_the_target_serves_it():
     )
     got, note = resolve_quality(RecoverySpec(quality="kl:0.001", round=ROUND), MODEL, settings)
     assert got is None and note["served"] == "exact"  # only dearer than prefix caching meets it
+
+
+@pytest.mark.model
+def test_the_shipped_calibrations_are_the_embedded_models_and_each_is_cheaper_than_prefix():
+    from kmesh.compute.fingerprint import model_fingerprint
+    from kmesh.compute.loader import resolve_model_dir
+    from kmesh.recovery.quality import CALIBRATIONS, EMBEDDED
+
+    assert model_fingerprint(resolve_model_dir(None)) == EMBEDDED  # a new model needs new rows
+    assert len({c.label for c in CALIBRATIONS}) == len(CALIBRATIONS)
+    for c in CALIBRATIONS:
+        assert c.kind in ("round", "request") and 0 < c.tokens_over_prefix < 1, c.label
+        assert (c.master is not None) == (c.kind == "round"), c.label
+    # On it, greedy is served exactly and a KL bound by the cheapest setting within it.
+    spec = RecoverySpec(quality="greedy", round=ROUND)
+    assert resolve_quality(spec, EMBEDDED)[0] is None
+    got, note = resolve_quality(RecoverySpec(quality="kl:0.05", round=ROUND), EMBEDDED)
+    assert got is not None and note["served"] == "collective agent_ratio=0.3 sibling"
