@@ -13,7 +13,9 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
+from kmesh.recovery import quality
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
+from kmesh.recovery.quality import Calibration
 from kmesh.state.request_meta import KMeshParams, RecoverySpec
 from kmesh.store import StoreClient
 from kmesh.store.segments import write_segment
@@ -369,11 +371,11 @@ def test_an_engine_without_kmeshs_worker_refuses_recovery_up_front_and_says_why(
     assert (stats["recovered_tokens"], stats["computed_tokens"]) == (0, len(PROMPT) - BLOCK)
 
 
-def claimed_for_recovery(store):
+def claimed_for_recovery(store, kmesh=APPROXIMATE):
     """A scheduler side whose approximate request has every row but its last claimed for
     recovery (its last block partly)."""
     scheduler = side(store)
-    req = request("a", salt="kmesh-approx:t1", kmesh=APPROXIMATE)
+    req = request("a", salt="kmesh-approx:t1", kmesh=kmesh)
     claim = len(PROMPT) - 1
     assert scheduler.get_num_new_matched_tokens(req, 0) == (claim, False)
     scheduler.update_state_after_alloc(
@@ -397,6 +399,16 @@ def test_a_report_of_a_request_finished_in_the_same_step_reaches_its_stats(store
     scheduler.recovery_reports({"a": report})
     assert stats["recovery"]["computed_tokens"] == 5.5
     assert stats["recovery"]["reused_tokens"] == 3
+
+
+def test_a_met_quality_target_reports_what_served_it_and_its_same_step_report(store, monkeypatch):
+    served = Calibration("name:tiny-model", "request", "r0.3", 0.3, None, 0.1, 0.01, 0.0, 0.5)
+    monkeypatch.setattr(quality, "CALIBRATIONS", (served,))
+    scheduler, req = claimed_for_recovery(store, {"recovery": {"quality": "kl:0.05"}})
+    stats = finish(scheduler, req)
+    scheduler.recovery_reports({"a": RecoveryReport(5.5, 0.0, 0, 0, 3, 0.02, False)})
+    assert stats["quality"] == {"target": "kl:0.05", "served": "r0.3"}
+    assert stats["recovery"]["computed_tokens"] == 5.5
 
 
 def test_finished_requests_reach_vllms_metrics_once_with_their_recovery_report(store):

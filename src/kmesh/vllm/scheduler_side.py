@@ -247,10 +247,10 @@ class SchedulerSide:
             stats["activation"] = {
                 k: v for k, v in asdict(tracked.activation).items() if v is not None or k == "start"
             }
-        if tracked.recovery is not None:
-            stats["recovery"] = tracked.recovery
         if tracked.quality is not None:
             stats["quality"] = tracked.quality
+        if tracked.recovery is not None:
+            stats["recovery"] = tracked.recovery
         elif tracked.recovered_tokens:
             self._finishing[request.request_id] = stats  # its report comes in this same step
         if tracked.tail_tokens:
