@@ -2,20 +2,24 @@
 (`recovery.quality`, both engines; `kmesh serve --reuse-messages --quality`).
 
 - "exact": no approximation: the request is served as an ordinary one, its prompt computed by the
-  engine itself after its exact prefix hits (vanilla prefix caching's tokens, any salt).
-- "kl:<x>": the cheapest calibrated setting whose next-token KL p95 against full prefill, measured
-  on held-out traces, is at most x.
+  engine itself after its prefix hits.
+- "kl:<x>": the cheapest calibrated setting whose next-token KL p95 against full prefill was at
+  most x on every trace it was measured on.
 - "greedy": the cheapest calibrated setting whose outputs, generated closed loop from its own
-  state on held-out traces, were identical to full prefill's in at least GREEDY_SHARE of every
-  round's agents.
+  state, were identical to full prefill's in at least GREEDY_SHARE of every round's agents on
+  every trace it was measured on.
 
 A calibration is one setting of the recovery knobs measured by `kmesh bench allgather --frontier`
-on one model (its fingerprint) for one kind of request: "round" (a declared round: collective
-recovery) or "request" (per-request recovery). Only settings cheaper than vanilla prefix caching
-are kept. A target that no calibration of the request's model and kind meets is served exactly, as
-is every target on a model without calibrations; the request's stats say which:
-`quality: {"target", "served": <setting> | "exact", "reason"?}`. A target is never met silently by
-a setting the data did not show meeting it.
+on several traces (`kmesh bench calibrate`: its worst figures) for one model (its fingerprint) and
+one kind of request: "round" (a declared round: collective recovery) or "request" (per-request
+recovery). Only settings cheaper than vanilla prefix caching count. A target that no calibration
+of the request's model and kind meets is served exactly, as is every target on a model without
+calibrations; the request's stats say which: `quality: {"target", "served": <setting> | "exact",
+"reason"?}`. A target is never met silently by a setting the data did not show meeting it.
+
+Exact service is exact within the request's salt: a prefix hit under an approximate salt may be a
+block that salt's approximate requests left (the salt is the namespace approximate KV lives in),
+so a caller mixing targets sends each under a salt of its own.
 """
 
 from collections.abc import Sequence
@@ -36,9 +40,11 @@ class Calibration:
     ratio: float  # the recovery's ratio (a round: its agents' ratio)
     master: str | None  # a round's master choice
     gate: float | None  # the gate's threshold: a region deviating more is computed exactly
-    kl_p95: float  # held out: the next-token KL p95 against full prefill
-    identical_min: float  # held out: the least closed-loop identical share over rounds >= 1
-    tokens_over_prefix: float  # closed-loop computed tokens over vanilla prefix caching's
+    # The worst over its traces: the next-token KL p95 against full prefill, the least
+    # closed-loop identical share of a round >= 1, closed-loop tokens over prefix caching's.
+    kl_p95: float
+    identical_min: float
+    tokens_over_prefix: float
 
 
 # The embedded model (SmolLM2-135M-Instruct, float32), through vLLM 0.32 with KMeshConnector:
