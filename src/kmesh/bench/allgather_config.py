@@ -14,7 +14,7 @@ from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.quality import resolve_quality
 from kmesh.recovery.recover import RecoveryConfig
-from kmesh.state.request_meta import QUALITY_TARGET, RecoverySpec, RoundSpec
+from kmesh.state.request_meta import RecoverySpec, RoundSpec, check_quality_target
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 SWEEP_POLICIES = ("kv_deviation", "first_k", "random", "none")
@@ -90,10 +90,8 @@ class AllGatherBenchConfig:
             raise InvalidRequestError(
                 f"--gate-sample must be above 0 and at most 1, got {self.gate_sample}"
             )
-        if self.quality is not None and QUALITY_TARGET.fullmatch(self.quality) is None:
-            raise InvalidRequestError(
-                f"--quality takes exact, greedy or kl:<x>, got {self.quality!r}"
-            )
+        if self.quality is not None:
+            check_quality_target(self.quality, "--quality")
         if self.block_size < 1 or self.greedy_tokens < 1:
             raise InvalidRequestError("block size and greedy tokens must be at least 1")
 

@@ -129,9 +129,13 @@ def frontier_report(
 def axes(loop: Mapping[str, list[float]]) -> tuple[float, float]:
     """A closed loop's place on the plot: its computed tokens, and its identical share averaged
     over rounds >= 1 (all of them when there is one round)."""
-    shares = loop["identical_share_per_round"]
-    held = shares[1:] or shares
+    held = _with_outputs(loop["identical_share_per_round"])
     return round(sum(loop["computed_tokens_per_round"]), 1), round(sum(held) / len(held), 4)
+
+
+def _with_outputs(shares: list[float]) -> list[float]:
+    """The rounds that hold outputs (>= 1), or the only round."""
+    return shares[1:] or shares
 
 
 def pareto(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -190,7 +194,7 @@ def calibration_rows(frontiers: Sequence[Mapping[str, Any]]) -> list[dict[str, A
                 "strategy": first["strategy"],
                 "knobs": first["knobs"],
                 "kl_p95": max(p["quality"]["kl_p95"] for p in points),
-                "identical_min": min(min(s[1:] or s) for s in shares),
+                "identical_min": min(min(_with_outputs(s)) for s in shares),
                 "tokens_over_prefix": round(
                     max(p["closed_loop_tokens"] / t for p, t in zip(points, prefix, strict=True)),
                     4,

@@ -5,7 +5,7 @@ import argparse
 from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
-from kmesh.state.request_meta import QUALITY_TARGET
+from kmesh.state.request_meta import check_quality_target
 
 
 def _bench_council(args: argparse.Namespace) -> None:
@@ -23,12 +23,7 @@ def _bench_council(args: argparse.Namespace) -> None:
         ) from None
     if not all(0 <= r <= 1 for r in ratios):
         raise InvalidRequestError(f"--ratios are shares in [0, 1], got {args.ratios}")
-    qualities = tuple(q for q in args.quality.split(",") if q)
-    for target in qualities:
-        if QUALITY_TARGET.fullmatch(target) is None:
-            raise InvalidRequestError(
-                f"--quality takes exact, greedy or kl:<x>, comma-separated, got {target!r}"
-            )
+    qualities = tuple(check_quality_target(q, "--quality") for q in args.quality.split(",") if q)
     if not ratios and not qualities:
         raise InvalidRequestError("nothing to run: give --ratios or --quality")
     result = run_council_bench(cfg, args.engine, ratios, python, log, qualities)

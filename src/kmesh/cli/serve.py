@@ -4,22 +4,9 @@ import argparse
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
 
 from kmesh.cli.common import Commands, add_model_option, add_store_option, check_store
 from kmesh.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from kmesh.state.request_meta import RecoverySpec
-
-
-def _quality_reuse(target: str) -> "RecoverySpec":
-    """--reuse-messages' recovery with a quality target in place of the policy and ratio."""
-    from kmesh.state.request_meta import QUALITY_TARGET, RecoverySpec
-
-    if QUALITY_TARGET.fullmatch(target) is None:
-        raise InvalidRequestError(f"--quality takes exact, greedy or kl:<x>, got {target!r}")
-    return RecoverySpec(quality=target)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -43,7 +30,10 @@ def _serve(args: argparse.Namespace) -> None:
                 )
             reuse_messages = REUSE_MESSAGES.model_copy(update={"ratio": args.reuse_ratio})
         if args.quality is not None:
-            reuse_messages = _quality_reuse(args.quality)
+            from kmesh.state.request_meta import RecoverySpec, check_quality_target
+
+            target = check_quality_target(args.quality, "--quality")
+            reuse_messages = RecoverySpec(quality=target)
     elif args.reuse_ratio is not None or args.quality is not None:
         raise InvalidRequestError("--reuse-ratio and --quality need --reuse-messages")
     api_keys = None

@@ -193,6 +193,13 @@ class KMeshParams(BaseModel):
         return "".join(s.text or "" for s in self.segments)
 
 
+def check_quality_target(target: str, where: str) -> str:
+    """`target` if it is a quality target; else InvalidRequestError naming `where` (a flag)."""
+    if QUALITY_TARGET.fullmatch(target) is None:
+        raise InvalidRequestError(f"{where} takes exact, greedy or kl:<x>, got {target!r}")
+    return target
+
+
 def recovery_refusal(spec: RecoverySpec, cache_salt: str | None, adapter: str | None) -> str | None:
     """Why a request's recovery is refused (it is then computed exactly), or None. Both engines:
     recovery runs base-model layers only, and approximate KV lives only under an approximate salt
