@@ -7,7 +7,7 @@ import pytest
 from kmesh.bench.agents import run_agents_bench
 from kmesh.bench.agents_config import STRATEGIES, AgentsBenchConfig
 from kmesh.bench.agents_requests import RunNames, request_body
-from kmesh.bench.agents_summary import _max_under_slo
+from kmesh.bench.agents_summary import _max_under_slo, agents_report
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.agent_chats import AgentChats
 
@@ -29,6 +29,10 @@ def test_every_strategy_answers_every_call_of_every_round(report):
         assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"]
         assert all(c > 0 for c in figures["computed_tokens"])
         assert strategy["max_agents_under_slo"] in (0, 2)
+        assert all(cpu["server"] > 0 and cpu["total"] >= cpu["server"] for cpu in figures["cpu_s"])
+    assert all(
+        "store" in cpu for cpu in report["strategies"]["kmesh_exact"]["by_agents"]["2"]["cpu_s"]
+    )
 
 
 @pytest.mark.model
@@ -95,6 +99,43 @@ def test_an_agent_count_holds_the_slo_only_with_every_smaller_one():
     assert _max_under_slo({"4": run(1), "8": run(1, ("x: http 500",))}, 5) == 4
 
 
+def fake_run(makespans: list[float], text: str = "yes") -> dict:
+    """A strategy's run at 2 agents, as bench/agents.py records it, with these round makespans."""
+    return {
+        "rounds": [
+            {
+                "makespan_s": m,
+                "ttft_s": [m / 2, m / 4],
+                "counters": {"prompt": 10.0, "computed": 5.0},
+                "new_tokens": 4,
+                "kv_usage_end": 0.1,
+                "kv_usage_peak": 0.2,
+                "store_bytes": None,
+                "failures": [],
+                "texts": {"0": text, "1": "no"},
+                "cpu_s": {"server": m, "total": m},
+            }
+            for m in makespans
+        ]
+    }
+
+
+def test_several_passes_report_medians_of_each_pass_against_its_own_plain_vllm():
+    cfg = AgentsBenchConfig(agents=(2,), rounds=2, engine="reference", repeats=3)
+    passes = [
+        {"vllm": {2: fake_run([5, 5])}, "kmesh_exact": {2: fake_run([4, 7])}},  # 11 / 10
+        {"vllm": {2: fake_run([6, 6])}, "kmesh_exact": {2: fake_run([6, 6], "other")}},  # 12 / 12
+        {"vllm": {2: fake_run([10, 10])}, "kmesh_exact": {2: fake_run([9, 9])}},  # 18 / 20
+    ]
+    exact = agents_report(cfg, passes)["strategies"]["kmesh_exact"]["by_agents"]["2"]
+    assert exact["repeats"]["makespan_s"] == [11, 12, 18]
+    assert exact["repeats"]["over_vllm"] == pytest.approx([1.1, 1.0, 0.9])
+    assert exact["makespan_s"] == 12 and exact["over_vllm"] == pytest.approx(1.0)
+    assert exact["repeats"]["identical_to_vllm"] == [[1.0, 1.0], [0.5, 0.5], [1.0, 1.0]]
+    assert exact["round_makespan_s"] == [4, 7]  # every other figure is the first pass's
+    assert exact["cpu_s_total"] == 12 and exact["ttft_p99_s"] == 3.5  # 3.5, 3, 4.5
+
+
 def test_a_bench_it_cannot_run_is_refused_with_what_to_change():
     with pytest.raises(InvalidRequestError, match="must include vllm"):
         AgentsBenchConfig(strategies=("kmesh_exact",))
@@ -102,3 +143,5 @@ def test_a_bench_it_cannot_run_is_refused_with_what_to_change():
         AgentsBenchConfig(agents=(1, 4))
     with pytest.raises(InvalidRequestError, match="--kv-cache"):
         AgentsBenchConfig(kv_cache="lots")
+    with pytest.raises(InvalidRequestError, match="--repeats"):
+        AgentsBenchConfig(repeats=0)

@@ -20,6 +20,8 @@ the vllm strategy's. `max_agents_under_slo`: the largest agent count such that i
 smaller one held TTFT p99 (over all its rounds' calls) under the SLO. With `serial_check`,
 kmesh_exact's rounds at the largest count up to SERIAL_CHECK_AGENTS are sent again one call at a
 time, under fresh salts and families, and their texts compared with the concurrent ones.
+With `repeats` above 1 the whole pass runs again, servers started afresh each time, so that a
+strategy's makespan can be compared with plain vLLM's in the same pass (bench/agents_summary.py).
 """
 
 import asyncio
@@ -36,6 +38,7 @@ from kmesh.bench.agents_client import CallResult, send_chat
 from kmesh.bench.agents_config import AgentsBenchConfig
 from kmesh.bench.agents_requests import RunNames, request_body
 from kmesh.bench.agents_summary import agents_report
+from kmesh.bench.process_tree import cpu_seconds, cpu_used
 from kmesh.bench.server_metrics import server_counters
 from kmesh.compute.loader import resolve_model_dir
 from kmesh.serve.process import ServerProcess, start_kmesh_serve, start_vllm_server
@@ -57,34 +60,49 @@ class Served:
     url: str
     model_id: str
     store: str | None
+    # Role ("server", "store") -> pid: whose CPU time each round reads (bench/process_tree.py).
+    processes: dict[str, int]
 
 
 def run_agents_bench(cfg: AgentsBenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Every strategy at every agent count (module docstring); the report as a JSON-ready dict."""
+    """Every strategy at every agent count, `cfg.repeats` times (module docstring); the report
+    as a JSON-ready dict."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
+    repeats = []
+    with tempfile.TemporaryDirectory(prefix="kmesh-agents-") as folder:
+        for i in range(cfg.repeats):
+            if cfg.repeats > 1:
+                log(f"agents: repeat {i + 1} of {cfg.repeats}")
+            repeats.append(_repeat(cfg, Path(folder), tokenizer, i == 0, log))
+    return agents_report(cfg, repeats)
+
+
+def _repeat(
+    cfg: AgentsBenchConfig, work: Path, tokenizer: Any, first: bool, log: Callable[[str], Any]
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """One pass over every strategy and agent count, each server started afresh; the serial
+    check in the first pass only."""
     runs: dict[str, dict[int, dict[str, Any]]] = {s: {} for s in cfg.strategies}
     nonce = uuid.uuid4().hex[:8]
-    with tempfile.TemporaryDirectory(prefix="kmesh-agents-") as folder:
-        work = Path(folder)
-        with _vllm_server(cfg, work) as served:
+    with _vllm_server(cfg, work) as served:
+        for n in cfg.agents:
+            log(f"agents: vllm, {n} agents x {cfg.rounds} rounds ({cfg.workload})")
+            runs["vllm"][n] = _run(served, "vllm", cfg, n, tokenizer, nonce)
+    kmesh = [s for s in cfg.strategies if s != "vllm"]
+    if kmesh:
+        with _kmesh_server(cfg, work) as served:
             for n in cfg.agents:
-                log(f"agents: vllm, {n} agents x {cfg.rounds} rounds ({cfg.workload})")
-                runs["vllm"][n] = _run(served, "vllm", cfg, n, tokenizer, nonce)
-        kmesh = [s for s in cfg.strategies if s != "vllm"]
-        if kmesh:
-            with _kmesh_server(cfg, work) as served:
-                for n in cfg.agents:
-                    for strategy in kmesh:
-                        log(f"agents: {strategy}, {n} agents x {cfg.rounds} rounds")
-                        runs[strategy][n] = _run(served, strategy, cfg, n, tokenizer, nonce)
-                        if strategy == "kmesh_exact" and n == _serial_agents(cfg):
-                            log(f"agents: kmesh_exact's {n}-agent calls again, one at a time")
-                            runs[strategy][n]["serial_check"] = _serial_check(
-                                served, cfg, runs[strategy][n], nonce
-                            )
-    return agents_report(cfg, runs)
+                for strategy in kmesh:
+                    log(f"agents: {strategy}, {n} agents x {cfg.rounds} rounds")
+                    runs[strategy][n] = _run(served, strategy, cfg, n, tokenizer, nonce)
+                    if first and strategy == "kmesh_exact" and n == _serial_agents(cfg):
+                        log(f"agents: kmesh_exact's {n}-agent calls again, one at a time")
+                        runs[strategy][n]["serial_check"] = _serial_check(
+                            served, cfg, runs[strategy][n], nonce
+                        )
+    return runs
 
 
 def _serial_agents(cfg: AgentsBenchConfig) -> int | None:
@@ -111,7 +129,8 @@ class _vllm_server:
                 cfg.model, connector=False, kv_cache_bytes=parse_size(cfg.kv_cache, "--kv-cache")
             )
             self.server = start_vllm_server(kwargs, self.work / "vllm.log", timeout=600)
-        return Served(self.server.url, _model_id(self.server.url), None)
+        url = self.server.url
+        return Served(url, _model_id(url), None, {"server": self.server.process.pid})
 
     def __exit__(self, *_: object) -> None:
         if self.server is not None:
@@ -137,7 +156,9 @@ class _kmesh_server:
         self.server = start_kmesh_serve(
             cfg.engine, self.work / "kmesh.log", tuple(options), timeout=600
         )
-        return Served(self.server.url, _model_id(self.server.url), self.store.socket)
+        url, processes = self.server.url, {"server": self.server.process.pid}
+        processes["store"] = self.store.process.pid
+        return Served(url, _model_id(url), self.store.socket, processes)
 
     def __exit__(self, *_: object) -> None:
         try:
@@ -179,6 +200,7 @@ async def _round(
 ) -> dict[str, Any]:
     """One round: every call sent at its delay, all at once; the server sampled meanwhile."""
     before = server_counters(served.url)
+    cpu_before = cpu_seconds(served.processes)
     peak = [before["kv_usage"]]
     limits = httpx.Limits(max_connections=len(calls) + 4)
     async with httpx.AsyncClient(
@@ -203,6 +225,7 @@ async def _round(
         finally:
             sampler.cancel()
     after = server_counters(served.url)
+    cpu = cpu_used(cpu_before, cpu_seconds(served.processes))
     store_bytes = None
     if served.store is not None:
         with StoreClient(served.store) as store:
@@ -216,6 +239,7 @@ async def _round(
         "kv_usage_end": after["kv_usage"],
         "kv_usage_peak": max(peak),
         "store_bytes": store_bytes,
+        "cpu_s": cpu,
         "texts": {c.agent: r.text for c, r in done},
     }
 

@@ -39,6 +39,8 @@ class AgentsBenchConfig:
     tool_tokens: int = 64
     stagger_s: float = 0.5
     serial_check: bool = True
+    # Passes over every strategy, servers started afresh each time (makespans are medians).
+    repeats: int = 1
     model: str | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class AgentsBenchConfig:
                 f"--strategies must include vllm (the reference for identical messages) and "
                 f"name only {', '.join(STRATEGIES)}; got {', '.join(self.strategies)}"
             )
+        if self.repeats < 1:
+            raise InvalidRequestError(f"--repeats takes a count of at least 1, got {self.repeats}")
         if self.slo_ttft_s <= 0 or self.max_tokens < 1:
             raise InvalidRequestError("--slo-ttft must be above 0 and --max-tokens at least 1")
         for ratio in (self.per_request_ratio, self.agent_ratio):

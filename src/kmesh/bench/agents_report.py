@@ -16,6 +16,7 @@ HEADER = (
     "makespan s",
     "/ vllm",
     "TTFT p50 / p99 s",
+    "CPU s",
     "computed tokens per round",
     "last round computed / new",
     "masters per round",
@@ -34,14 +35,14 @@ def _title(cfg: dict[str, Any]) -> str:
 
 def _rows(strategies: dict[str, Any]) -> list[list[str]]:
     """A row per strategy and agent count, in HEADER's order."""
-    vllm = strategies["vllm"]["by_agents"]
     return [
         [
             name,
             n,
             f"{f['makespan_s']:.1f}",
-            f"{f['makespan_s'] / vllm[n]['makespan_s']:.2f}",
+            f"{f['over_vllm']:.2f}",
             f"{f['ttft_p50_s']:.2f} / {f['ttft_p99_s']:.2f}",
+            f"{f['cpu_s_total']:.0f}",
             " / ".join(f"{c:.0f}" for c in f["computed_tokens"]),
             _number(f["last_round_computed_over_new"]),
             " / ".join("-" if m is None else f"{m:.0f}" for m in f["masters_built"]),
@@ -58,6 +59,13 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     console.print(report_table(HEADER, _rows(strategies), _title(result["config"])))
     held = ", ".join(f"{name} {run['max_agents_under_slo']}" for name, run in strategies.items())
     console.print(f"agents held under the SLO: {held}")
+    if result["config"]["repeats"] > 1:
+        console.print("medians over the passes; each pass's makespan s (/ vllm):")
+        for name, run in strategies.items():
+            for n, f in run["by_agents"].items():
+                passes = zip(f["repeats"]["makespan_s"], f["repeats"]["over_vllm"], strict=True)
+                each = ", ".join(f"{m:.1f} ({r:.2f})" for m, r in passes)
+                console.print(f"  {name}, {n} agents: {each}")
     exact = strategies.get("kmesh_exact", {}).get("by_agents", {})
     for n, f in exact.items():
         check = f.get("serial_check")
@@ -73,7 +81,8 @@ def _number(value: float | None) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Agents on x; the run's makespan and its TTFT p99 per strategy, the SLO dashed."""
+    """Agents on x; the run's makespan and its TTFT p99 per strategy (medians over passes),
+    the SLO dashed."""
     cfg = result["config"]
     figure = Figure(figsize=(11, 4.5))
     FigureCanvasAgg(figure)

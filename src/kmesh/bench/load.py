@@ -20,7 +20,6 @@ transport (connection errors, timeouts), bad_stream (a stream without its [DONE]
 """
 
 import asyncio
-import contextlib
 import json
 import random
 import statistics
@@ -33,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from kmesh.bench.common import quantile
 from kmesh.bench.load_client import ExchangeResult, send_exchange
+from kmesh.bench.process_tree import rss_mib
 from kmesh.errors import InvalidRequestError
 from kmesh.serve.process import start_kmesh_serve, start_vllm_server
 from kmesh.store.client import StoreClient
@@ -91,16 +90,6 @@ class LoadConfig:
         return (KEY_A,) if self.mix == "plain" else (KEY_A, KEY_B)
 
 
-def _rss_mib(pid: int) -> dict[str, float]:
-    """RSS in MiB of the process and each of its children, by "name pid", and their "total"."""
-    process = psutil.Process(pid)
-    rss = {}
-    for p in [process, *process.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):  # a child that just ended
-            rss[f"{p.name()} {p.pid}"] = p.memory_info().rss / 2**20
-    return {**rss, "total": sum(rss.values())}
-
-
 def slope_per_minute(samples: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, value) samples, per minute (0 with fewer than 2)."""
     if len(samples) < 2:
@@ -147,7 +136,7 @@ def _sample(started: float, pid: int, store: str | None) -> dict[str, Any]:
     if store is not None:
         with StoreClient(store) as client:
             used = client.stats()["used"]
-    rss = _rss_mib(pid)
+    rss = rss_mib(pid)
     return {
         "t": time.monotonic() - started,
         "rss_mib": rss.pop("total"),
@@ -183,7 +172,7 @@ async def _abandon(cfg: LoadConfig, url: str, pid: int, log: Any) -> dict[str, A
     key = KEY_A
     rng = random.Random(cfg.seed)
     every = max(1, cfg.abandon // 20)
-    samples = [{"opened": 0, "rss_mib": _rss_mib(pid)["total"]}]
+    samples = [{"opened": 0, "rss_mib": rss_mib(pid)["total"]}]
     failures: Counter[str] = Counter()
     opened = iter(range(cfg.abandon))
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
@@ -212,7 +201,7 @@ async def _abandon(cfg: LoadConfig, url: str, pid: int, log: Any) -> dict[str, A
                 if outcome.failure:
                     failures[outcome.failure] += 1
                 if (i + 1) % every == 0:
-                    samples.append({"opened": i + 1, "rss_mib": _rss_mib(pid)["total"]})
+                    samples.append({"opened": i + 1, "rss_mib": rss_mib(pid)["total"]})
                     log(f"abandon: {i + 1} opened, rss {samples[-1]['rss_mib']:.0f} MiB")
 
         await asyncio.gather(*(worker() for _ in range(ABANDON_CLIENTS)))

@@ -65,6 +65,9 @@ def register(benches: Commands) -> None:
         default=default.stagger_s,
         help=f"trajectory: seconds between arrivals (default {default.stagger_s:g})",
     )
+    add_config_flag(
+        agents, default, "repeats", "passes over every strategy, servers started afresh each time"
+    )
     agents.add_argument(
         "--no-serial-check",
         action="store_true",
