@@ -172,3 +172,16 @@ def test_an_entry_written_in_chunks_reads_back_as_their_concatenation(store):
         [hit] = writer.acquire([key]).hits
         with writer.read(hit) as entry:  # its checksum verified: the chunks' chained CRC
             assert bytes(entry.data) == b"".join(parts)
+
+
+def test_prefaulted_spares_are_made_warm_and_taken_by_a_publish_of_their_size(store):
+    [key] = chain(1, seed=11)
+    with store.client() as client:
+        assert client.prefault(4096, 3) == 3
+        assert client.stats()["spares"] == 3 and client.stats()["used"] == 0
+        client.acquire([key])
+        client.publish_into(key, 4096, [bytes(range(256)) * 16])
+        assert client.stats()["spares"] == 2
+        [hit] = client.acquire([key]).hits
+        with client.read(hit) as entry:  # the spare's zeros were overwritten, checksum and all
+            assert bytes(entry.data) == bytes(range(256)) * 16

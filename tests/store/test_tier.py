@@ -141,3 +141,37 @@ def test_random_operations_keep_the_accounting_exact(retention):
         assert not (SHM / entry.name).exists()
     for name in reserved:
         assert not (SHM / name).exists()
+
+
+def test_a_reservation_takes_a_warm_spare_of_its_size_and_only_once_warmed():
+    tier = SharedMemoryTier(capacity=1000)
+    try:
+        spares = tier.make_spares(100, 3)
+        assert len(spares) == 3 and tier.stats().spares == 3 and tier.stats().used == 0
+        assert tier.reserve(100) not in spares  # not warmed yet: never handed out
+        assert tier.warmed([spares[0], "kmesh-not-a-spare"]) == 1
+        assert tier.reserve(100) == spares[0]
+        assert tier.reserve(60) not in spares  # another size: a fresh segment
+        assert tier.stats().spares == 2 and tier.stats().used == 260
+    finally:
+        tier.close()
+    assert not any((SHM / name).exists() for name in spares)
+
+
+def test_spares_fill_only_free_room_and_go_before_any_entry_is_evicted():
+    tier = SharedMemoryTier(capacity=1000)
+    try:
+        _put(tier, 0, size=300)
+        spares = tier.make_spares(200, 10)
+        assert len(spares) == 3  # 700 bytes free
+        tier.warmed(spares[:2])
+        _put(tier, 1, size=250)  # 300 + 250 + 3 x 200 > 1000: a warm spare goes, no entry
+        assert tier.stats().evicted == 0 and tier.stats().spares == 2
+        assert [(SHM / name).exists() for name in spares].count(False) == 1
+        assert tier.lookup(_ident(0)) is not None and tier.lookup(_ident(1)) is not None
+        assert tier.make_spares(200, 10) == []  # 300 + 250 + 2 x 200 held: no room for 200
+        _put(tier, 2, size=500)  # both spares go, then the oldest entry (550 + 500 > 1000)
+        assert tier.stats().spares == 0 and tier.stats().evicted == 1
+        assert tier.lookup(_ident(0)) is None
+    finally:
+        tier.close()

@@ -112,6 +112,17 @@ def test_the_first_engine_computes_and_publishes_the_next_restores(store):
     }
 
 
+def test_an_engine_readies_spare_segments_at_start_and_publishes_into_them(store):
+    scheduler = SchedulerSide(store.socket, LAYOUT, "tiny-model", prefault_blocks=3)
+    scheduler.bind_block_ids(lambda request_id: ([7, 8, 9, 10, 11, 12],))
+    client = scheduler.store.policy.client(None)
+    assert client.stats()["spares"] == 3
+    req = request("a")
+    scheduler.get_num_new_matched_tokens(req, 0)  # leads both blocks
+    compute(scheduler, req, len(PROMPT))  # and publishes them
+    assert client.stats()["spares"] == 1 and client.stats()["published"] == 2
+
+
 def test_a_request_waits_while_another_engine_computes_its_blocks(store):
     first, second = side(store), side(store)
     req = request("a")

@@ -55,17 +55,27 @@ from kmesh.store.protocol import (
     Lookup,
     Pin,
     Ping,
+    Prefault,
     Refused,
     Reserve,
     Reserved,
+    Spares,
     Stats,
     StatsInfo,
+    Warmed,
     checksum,
 )
 from kmesh.store.protocol import (
     Acquired as AcquiredAnswer,
 )
-from kmesh.store.segments import Mapped, decode_meta, encode_meta, map_segment, write_segment
+from kmesh.store.segments import (
+    Mapped,
+    decode_meta,
+    encode_meta,
+    map_segment,
+    touch_segment,
+    write_segment,
+)
 
 # The API key engines give a store started with --api-keys.
 STORE_KEY_ENV = "KMESH_STORE_KEY"
@@ -281,6 +291,30 @@ class StoreClient(Closing):
     def renew(self) -> None:
         """Renew this client's leases."""
         self._count(Ping(tenant=self.tenant))
+
+    def prefault(self, size: int, count: int) -> int:
+        """Have the store make up to `count` spare segments of `size` bytes (as many as its free
+        room holds) and fault their pages in from this process, so that later reservations of
+        that size are written at memory speed (tier.py: spares); returns how many are warm. It
+        takes as long as touching that much fresh memory: call it at start, like vLLM touching
+        its KV cache."""
+        if size < 1:
+            raise ValueError(f"a spare needs at least one byte, got size {size}")
+        warm = 0
+        while count > 0:
+            answer = self._connection.call(Prefault(size, min(count, MAX_KEYS), tenant=self.tenant))
+            if not isinstance(answer, Spares):
+                raise self._connection.unexpected(answer)
+            touched = []
+            for name in answer.names:
+                with contextlib.suppress(OSError):  # given up by the store meanwhile
+                    touch_segment(name, size)
+                    touched.append(name)
+            warm += self._count(Warmed(touched, tenant=self.tenant))
+            if len(answer.names) < min(count, MAX_KEYS):
+                break  # the store's free room is spent
+            count -= len(answer.names)
+        return warm
 
     def stats(self) -> dict[str, int]:
         """The store's counters (capacity and bytes used are the whole store's)."""

@@ -19,7 +19,7 @@ hostile process: anything that can map a segment can also rewrite its checksum's
 
 import socket
 import zlib
-from typing import TYPE_CHECKING, Annotated, Final
+from typing import TYPE_CHECKING, Annotated, Final, get_args
 
 import msgspec
 
@@ -144,6 +144,20 @@ class Ping(Request, frozen=True, tag="ping"):
     """Renew this connection's leases."""
 
 
+class Prefault(Request, frozen=True, tag="prefault"):
+    """Make up to `count` spare segments of `size` bytes for the client to fault in (tier.py:
+    spares); answered with their names."""
+
+    size: Annotated[int, msgspec.Meta(ge=1)]
+    count: Annotated[int, msgspec.Meta(ge=0, le=MAX_KEYS)]
+
+
+class Warmed(Request, frozen=True, tag="warmed"):
+    """These spares' pages are faulted in: reservations of their size may take them."""
+
+    names: Annotated[list[Name], msgspec.Meta(max_length=MAX_KEYS)]
+
+
 class Hello(Request, frozen=True, tag="hello"):
     """The connection's API key (a store with --api-keys needs it first): every later request
     of the connection is its key's tenant's, `tenant` then naming a namespace within it."""
@@ -152,12 +166,21 @@ class Hello(Request, frozen=True, tag="hello"):
 
 
 AnyRequest = (
-    Acquire | Lookup | Reserve | Commit | Abandon | Pin | CloseFamily | Drop | Stats | Ping | Hello
+    Acquire
+    | Lookup
+    | Reserve
+    | Commit
+    | Abandon
+    | Pin
+    | CloseFamily
+    | Drop
+    | Stats
+    | Ping
+    | Prefault
+    | Warmed
+    | Hello
 )
-REQUEST_OPS: Final = frozenset(
-    str(t.__struct_config__.tag)
-    for t in (Acquire, Lookup, Reserve, Commit, Abandon, Pin, CloseFamily, Drop, Stats, Ping, Hello)
-)
+REQUEST_OPS: Final = frozenset(str(t.__struct_config__.tag) for t in get_args(AnyRequest))
 
 
 # Answers (store -> client).
@@ -195,6 +218,10 @@ class Reserved(Answer, frozen=True, tag="reserved"):
     name: str = ""
 
 
+class Spares(Answer, frozen=True, tag="spares"):
+    names: list[str] = []
+
+
 class Refused(Answer, frozen=True, tag="refused"):
     """An expected refusal: code is too_large, full, no_memory or not_leader."""
 
@@ -212,6 +239,7 @@ class StatsInfo(Answer, frozen=True, tag="stats"):
     entries: int = 0
     pinned: int = 0
     reserved: int = 0
+    spares: int = 0
     claims: int = 0
     waiters: int = 0
     connections: int = 0
@@ -237,7 +265,7 @@ class Error(Answer, frozen=True, tag="error"):
     message: str = ""
 
 
-AnyAnswer = Acquired | Found | Reserved | Refused | Done | StatsInfo | Error
+AnyAnswer = Acquired | Found | Reserved | Spares | Refused | Done | StatsInfo | Error
 
 
 class _Envelope(msgspec.Struct):

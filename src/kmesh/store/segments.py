@@ -1,6 +1,7 @@
 """The store's shared memory segments as a client sees them: mapping one (`map_segment`), filling
-a reserved one (`write_segment`), a verified entry mapped for reading (`Mapped`), and the meta a
-publish carries (MessagePack bytes its checksum covers). The bytes never cross the socket.
+a reserved one (`write_segment`), faulting a spare's pages in (`touch_segment`), a verified entry
+mapped for reading (`Mapped`), and the meta a publish carries (MessagePack bytes its checksum
+covers). The bytes never cross the socket.
 """
 
 import mmap
@@ -100,6 +101,21 @@ def write_segment(
         if offset != size:
             raise ValueError(f"the chunks hold {offset} bytes, {size} were reserved")
         return checksum(key, meta_bytes, *written)
+    finally:
+        os.close(fd)
+
+
+_ZEROS = bytes(8 << 20)
+
+
+def touch_segment(name: str, size: int) -> None:
+    """Write zeros over a spare segment's `size` bytes, so that its pages are faulted in here and
+    now, not in a later writer's copy (tier.py: spares). OSError if it is gone."""
+    fd = _open_segment(name, os.O_WRONLY)
+    try:
+        offset = 0
+        while offset < size:
+            offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), size - offset)], offset)
     finally:
         os.close(fd)
 

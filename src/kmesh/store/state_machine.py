@@ -46,12 +46,15 @@ from kmesh.store.protocol import (
     Lookup,
     Pin,
     Ping,
+    Prefault,
     Refused,
     Request,
     Reserve,
     Reserved,
+    Spares,
     Stats,
     StatsInfo,
+    Warmed,
 )
 from kmesh.store.remote.front import Probe, Probed, RemoteFront, Resolved, Written
 from kmesh.store.tier import CapacityError, EntryId, StoredEntry, Tier
@@ -142,6 +145,10 @@ class Store:
                 out.append((session, Done(count=int(self.tier.drop((key, tenant), name)))))
             case Stats():
                 out.append((session, self._stats()))
+            case Prefault(size=size, count=count):
+                out.append((session, Spares(names=self.tier.make_spares(size, count))))
+            case Warmed(names=names):
+                out.append((session, Done(count=self.tier.warmed(names))))
             case Ping() | Hello():
                 out.append((session, Done()))
         return out
@@ -300,6 +307,7 @@ class Store:
             entries=tier.entries,
             pinned=tier.pinned,
             reserved=tier.reserved,
+            spares=tier.spares,
             claims=self.flight.num_claims,
             waiters=self.flight.num_waiters,
             connections=len(self.sessions) - 1,  # not the proxy

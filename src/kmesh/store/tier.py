@@ -18,6 +18,15 @@ by SIGBUS on a full /dev/shm; the store process keeps no mapping or descriptor o
 A segment that a client still maps when it is unlinked stays readable by that client until it
 closes its mapping (POSIX semantics), so eviction never pulls state from under a reader.
 
+Spare segments: a client may ask for segments made ahead (`make_spares`), fault their pages in
+from its own process (writing zeros) and hand them back (`warmed`); a later reservation of
+exactly that size takes a warm spare instead of fresh memory. On a virtual machine that returns
+freed memory to its host, a write into never-touched pages runs at a tenth of memory speed
+(docs/AGENTS.md); vLLM touches its own KV cache once, at start, and the spares let the store's
+memory be touched at start too. Spares hold no entry: they never reach a reader, they are given
+up (unlinked) before any entry is evicted for room, and capacity bounds entries, reservations
+and spares together.
+
 A remote tier (remote/mooncake_tier.py) stands behind this one: the store looks a local miss up
 there and copies the bytes into a reserved local segment (`fill`), so clients only ever see local
 segment handles (remote/front.py).
@@ -63,6 +72,7 @@ class TierStats:
     entries: int
     pinned: int  # entries with at least one pin
     reserved: int  # reservations not committed yet
+    spares: int  # spare segments made ahead, warm or not yet
     evicted: int
     dropped: int
 
@@ -95,6 +105,13 @@ class Tier(Protocol):
 
     def unpin(self, ident: EntryId, serial: int) -> None:
         """Take back a pin from entry `serial` of `ident` (nothing if that entry is gone)."""
+
+    def make_spares(self, size: int, count: int) -> list[str]:
+        """Up to `count` spare segments of `size` bytes, as many as fit in the free room; none is
+        handed out before `warmed` names it."""
+
+    def warmed(self, names: list[str]) -> int:
+        """Spares whose pages were faulted in: later reservations of their size take them."""
 
     def stats(self) -> TierStats: ...
 
@@ -140,7 +157,10 @@ class SharedMemoryTier:
         self._entries: dict[EntryId, StoredEntry] = {}
         self._order = EvictionOrder[EntryId](retention)
         self._reserved: dict[str, int] = {}
-        self._used = 0
+        self._cold: dict[str, int] = {}  # spares made, not warmed yet -> size
+        self._warm: dict[int, list[str]] = {}  # size -> warm spares
+        self._spare_bytes = 0
+        self._used = 0  # entries and reservations
         self._serial = 0
         self._evicted = 0
         self._dropped = 0
@@ -171,11 +191,62 @@ class SharedMemoryTier:
                 f"only {self._order.evictable} can be evicted (the rest is pinned or being "
                 "published)",
             )
-        while self._used + size > self.capacity:
-            victim = self._order.victim()
-            assert victim is not None  # evictable bytes cover the excess
-            self._remove(victim)
-            self._evicted += 1
+        name = self._take_spare(size)
+        if name is None:
+            while self._spare_bytes and self._used + self._spare_bytes + size > self.capacity:
+                self._give_up_spare()
+            while self._used + size > self.capacity:
+                victim = self._order.victim()
+                assert victim is not None  # evictable bytes cover the excess
+                self._remove(victim)
+                self._evicted += 1
+            name = self._new_segment(size)
+        self._reserved[name] = size
+        self._used += size
+        return name
+
+    def make_spares(self, size: int, count: int) -> list[str]:
+        if size < 1:
+            raise ValueError(f"a spare needs at least one byte, got {size}")
+        room = self.capacity - self._used - self._spare_bytes
+        names = []
+        for _ in range(min(count, room // size)):
+            try:
+                name = self._new_segment(size)
+            except CapacityError:  # /dev/shm is full: fewer spares, nothing else changes
+                break
+            self._cold[name] = size
+            self._spare_bytes += size
+            names.append(name)
+        return names
+
+    def warmed(self, names: list[str]) -> int:
+        count = 0
+        for name in names:
+            size = self._cold.pop(name, None)
+            if size is not None:  # unknown names (given up meanwhile, or never made): ignored
+                self._warm.setdefault(size, []).append(name)
+                count += 1
+        return count
+
+    def _take_spare(self, size: int) -> str | None:
+        spares = self._warm.get(size)
+        if not spares:
+            return None
+        self._spare_bytes -= size
+        return spares.pop()
+
+    def _give_up_spare(self) -> None:
+        """Unlink one spare, a warm one first (a cold one's warming client finds it gone)."""
+        size = next((s for s, names in self._warm.items() if names), None)
+        if size is not None:
+            name = self._warm[size].pop()
+        else:
+            name, size = self._cold.popitem()
+        self._spare_bytes -= size
+        _unlink_segment(name)
+
+    def _new_segment(self, size: int) -> str:
         name = self._prefix + secrets.token_hex(12)
         try:
             _create_segment(name, size)
@@ -183,8 +254,6 @@ class SharedMemoryTier:
             raise CapacityError(
                 "no_memory", f"could not create a shared memory segment of {size} bytes: {error}"
             ) from None
-        self._reserved[name] = size
-        self._used += size
         return name
 
     def fill(self, name: str, payload: bytes) -> None:
@@ -237,6 +306,7 @@ class SharedMemoryTier:
             entries=len(self._entries),
             pinned=self._order.pinned,
             reserved=len(self._reserved),
+            spares=len(self._cold) + sum(map(len, self._warm.values())),
             evicted=self._evicted,
             dropped=self._dropped,
         )
@@ -244,11 +314,14 @@ class SharedMemoryTier:
     def close(self) -> None:
         names = [entry.name for entry in self._entries.values()]
         names += list(self._reserved)
+        names += list(self._cold) + [name for spares in self._warm.values() for name in spares]
         for ident in list(self._entries):
             self._order.remove(ident)
         self._entries.clear()
         self._reserved.clear()
-        self._used = 0
+        self._cold.clear()
+        self._warm.clear()
+        self._used = self._spare_bytes = 0
         for name in names:
             _unlink_segment(name)
 

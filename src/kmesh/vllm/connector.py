@@ -8,6 +8,9 @@ vLLM makes one instance per role: the scheduler role (scheduler_side.py, with tr
 store_side.py: store traffic and families; recovery_claims.py; stats) and the worker role
 (worker_side.py: block copies; recovered rows from recovery.py, on the model the worker extension
 attaches: worker_extension.py).
+With a store, the scheduler role has it make as many segments of a block's size as vLLM's KV
+cache has blocks (`prefault_blocks` in the extra config; 0: none) and faults them in at start, as
+vLLM touches its own KV cache, so that publishing writes memory already there (store/tier.py).
 Without a store it only reports per-request stats (and recovers, if asked). Recovery needs
 `--worker-cls kmesh.vllm.worker.KMeshWorker`: without it the scheduler role warns once at start
 and refuses every recovery, saying why (recovery_support.py). Each finished
@@ -66,7 +69,12 @@ class KMeshConnector(KVConnectorBase_V1):
             # A finished request's page tail is read from its freed block in the next step, if
             # that step left the block free: only when steps run one after another.
             finished_tails = not vllm_config.scheduler_config.async_scheduling
-            self._scheduler = SchedulerSide(store, layout, model, unavailable, finished_tails)
+            prefault = self._kv_transfer_config.get_from_extra_config(
+                "prefault_blocks", kv_cache_config.num_blocks
+            )
+            self._scheduler = SchedulerSide(
+                store, layout, model, unavailable, finished_tails, int(prefault)
+            )
         else:
             self._worker = WorkerSide(store, layout)
 

@@ -44,10 +44,12 @@ class SchedulerSide:
         model: str,
         recovery_unavailable: str | None = None,
         finished_tails: bool = True,
+        prefault_blocks: int = 0,
     ) -> None:
         """`recovery_unavailable`: why this engine cannot recover (recovery_support.py), or
         None; every request asking for recovery is then refused with that reason.
-        `finished_tails`: whether finished requests' page tails are kept (tail_claims.py)."""
+        `finished_tails`: whether finished requests' page tails are kept (tail_claims.py).
+        `prefault_blocks`: store segments of a block's size made ready now (StoreSide.prefault)."""
         self.layout = layout
         self.recovery_unavailable = recovery_unavailable
         if recovery_unavailable is not None:
@@ -60,6 +62,7 @@ class SchedulerSide:
         self.model = model
         self.fingerprint = model_fingerprint(model)
         self.store = StoreSide(store, layout)
+        self.store.prefault(prefault_blocks)
         row_bytes = layout.block_bytes // self.block_size
         self.tails = TailClaims(self.fingerprint, self.block_size, row_bytes, finished_tails)
         self.meta_bytes = self.store.meta_bytes

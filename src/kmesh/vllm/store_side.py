@@ -52,6 +52,19 @@ class StoreSide:
     def available(self) -> bool:
         return self.policy.available
 
+    def prefault(self, blocks: int) -> None:
+        """Have the store make up to `blocks` segments of this engine's block size and fault
+        them in now, at start (store/tier.py: spares), so that publishing a block later writes
+        memory that is already there, as vLLM's own KV cache is."""
+        if blocks <= 0 or not self.available:
+            return
+        try:
+            warm = self.policy.client(None).prefault(self.layout.block_bytes, blocks)
+        except StoreError as error:
+            log.warning("kmesh store: no segments made ready at start: %s", error)
+            return
+        log.info("kmesh store: %d segments of %d bytes ready", warm, self.layout.block_bytes)
+
     def load(
         self, request_id: str, tracked: Tracked, first: int, loadable: int, idle: bool
     ) -> Acquired | None:
