@@ -73,7 +73,7 @@ class _Tier:
     def __init__(self) -> None:
         self.entries: dict[str, _Entry] = {}
         self.pins: list[str] = []
-        self.unpins: list[tuple[str, int]] = []
+        self.unpins: list[tuple[str, int, float | None]] = []
         self.dates: list[tuple[str, float | None]] = []
 
     def lookup(self, ident: str) -> _Entry | None:
@@ -83,11 +83,11 @@ class _Tier:
         self.pins.append(ident)
         self.dates.append((ident, next_use))
 
-    def declare(self, ident: str, next_use: float) -> None:
+    def declare(self, ident: str, next_use: float, was: float | None) -> None:
         self.dates.append((ident, next_use))
 
-    def unpin(self, ident: str, serial: int) -> None:
-        self.unpins.append((ident, serial))
+    def unpin(self, ident: str, serial: int, was: float | None) -> None:
+        self.unpins.append((ident, serial, was))
 
 
 def test_an_entry_is_pinned_once_per_family_and_its_close_unpins_it():
@@ -101,6 +101,6 @@ def test_an_entry_is_pinned_once_per_family_and_its_close_unpins_it():
     assert pins.pin(session, "g", "a", next_use=5)  # pinned already: only dated anew
     assert tier.pins == ["a", "a"]  # once for f, once for g
     assert tier.dates == [("a", None), ("a", 3), ("a", 5)]
-    assert pins.close(session, "f") == 1 and tier.unpins == [("a", 7)]
-    pins.close_all(session)
-    assert tier.unpins == [("a", 7), ("a", 7)] and session.pins == {}
+    assert pins.close(session, "f") == 1 and tier.unpins == [("a", 7, None)]
+    pins.close_all(session)  # g's pin goes back with the date it last declared
+    assert tier.unpins == [("a", 7, None), ("a", 7, 5)] and session.pins == {}

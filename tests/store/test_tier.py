@@ -59,14 +59,14 @@ def test_pins_are_counted_and_a_stale_unpin_is_ignored():
         first = _put(tier, 0)
         tier.pin(_ident(0))
         tier.pin(_ident(0))
-        tier.unpin(_ident(0), first.serial)
+        tier.unpin(_ident(0), first.serial, None)
         assert tier.stats().pinned == 1
         assert tier.drop(_ident(0))  # a corrupt entry goes even when pinned
         second = _put(tier, 0)
         tier.pin(_ident(0))
-        tier.unpin(_ident(0), first.serial)  # the old entry's pin: not this one's
+        tier.unpin(_ident(0), first.serial, None)  # the old entry's pin: not this one's
         assert tier.stats().pinned == 1
-        tier.unpin(_ident(0), second.serial)
+        tier.unpin(_ident(0), second.serial, None)
         assert tier.stats().pinned == 0
     finally:
         tier.close()
@@ -115,7 +115,7 @@ def test_random_operations_keep_the_accounting_exact(retention):
             elif op == "pin" and tier.pin(ident) is not None:
                 pins[ident] += 1
             elif op == "unpin" and pins.get(ident):
-                tier.unpin(ident, committed[ident].serial)
+                tier.unpin(ident, committed[ident].serial, None)
                 pins[ident] -= 1
             elif op == "drop" and tier.drop(ident):
                 pins[ident] = 0

@@ -3,8 +3,10 @@
 Callers declare future use with family pins (coord/pins.py): a family that pins an entry says it
 will read it again while the family is open, and may say when (`next_use`: an ordinal or a time,
 smaller is sooner; a round's member declares its place in the next round). A pin without a date
-means "now or any time" (0: a request's own in-flight reads). The latest declaration of an entry
-is its date. `EvictionOrder` keeps a tier's entries in the order they are evicted:
+means "now or any time" (0: a request's own in-flight reads). Each pin holds its family's latest
+declaration, and an entry's date is the soonest its pins hold: a family that will read it later
+never postpones a sooner one's read. `EvictionOrder` keeps a tier's entries in the order they are
+evicted:
 
 future_use (the default):
 1. ended: pinned once, every pinning family has closed since (a finished branch, a closed round
@@ -26,7 +28,7 @@ Invariants: every entry is in exactly one class; `evictable` is the total size o
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 Ident = TypeVar("Ident", bound=Hashable)
@@ -39,8 +41,12 @@ _ENDED, _UNDECLARED, _DECLARED = 0, 1, 2
 class _Entry:
     size: int
     cls: int = _UNDECLARED
-    pins: int = 0
-    next_use: float = 0.0
+    dates: list[float] = field(default_factory=list)  # one per pin: its next use
+    next_use: float = 0.0  # the soonest of `dates`
+
+    @property
+    def pins(self) -> int:
+        return len(self.dates)
 
 
 class EvictionOrder(Generic[Ident]):
@@ -79,25 +85,32 @@ class EvictionOrder(Generic[Ident]):
         """One more pin: a family declares the entry's next use (None: now or any time)."""
         entry = self._entries[ident]
         self.pinned += entry.pins == 0
-        entry.pins += 1
-        entry.next_use = 0.0 if next_use is None else next_use
+        entry.dates.append(_date(next_use))
+        entry.next_use = min(entry.dates)
         self._move(ident, _DECLARED)
 
-    def declare(self, ident: Ident, next_use: float) -> None:
-        """A pinned entry's new date (its family read it and will again at `next_use`)."""
+    def declare(self, ident: Ident, next_use: float, was: float | None = None) -> None:
+        """A pin's new date: its family read the entry and will again at `next_use`; `was` is
+        the date that pin held."""
         entry = self._entries[ident]
         if entry.pins:
-            entry.next_use = next_use
+            _take(entry.dates, _date(was))
+            entry.dates.append(next_use)
+            entry.next_use = min(entry.dates)
             self.touch(ident)
 
-    def unpin(self, ident: Ident) -> None:
+    def unpin(self, ident: Ident, was: float | None = None) -> None:
+        """Take back a pin that held date `was`."""
         entry = self._entries[ident]
         if entry.pins == 0:
             raise ValueError(f"{ident!r} has no pin to take back")
-        entry.pins -= 1
+        _take(entry.dates, _date(was))
         if entry.pins == 0:
             self.pinned -= 1
+            entry.next_use = 0.0
             self._move(ident, _ENDED if self.retention == "future_use" else _UNDECLARED)
+        else:
+            entry.next_use = min(entry.dates)
 
     def victim(self) -> Ident | None:
         """The entry to evict next; None if no entry may be evicted."""
@@ -128,3 +141,13 @@ class EvictionOrder(Generic[Ident]):
         del self._classes[entry.cls][ident]
         if self._evicts(entry.cls):
             self.evictable -= entry.size
+
+
+def _date(next_use: float | None) -> float:
+    return 0.0 if next_use is None else next_use
+
+
+def _take(dates: list[float], date: float) -> None:
+    """Remove one pin's date: `date`, or the furthest if no pin holds it (a caller that lost
+    track cannot make an entry look sooner than its pins say)."""
+    dates.remove(date if date in dates else max(dates))

@@ -2,9 +2,11 @@
 future_use.py: the tier keeps them longest, soft, or never evicts them under lru).
 
 A pin belongs to a (session, family) and names one entry (its serial), not just its key: a key
-published again after an eviction is a new entry, pinned anew. `close` (the family ended) or
-`close_all` (the session ended) takes the session's pins back, so a dead client cannot pin state
-forever. Entries live in a tier (`PinTarget`); this is bookkeeping only, no I/O.
+published again after an eviction is a new entry, pinned anew. It holds the family's latest
+declared next use, which the tier is told again when the pin is dated anew or taken back.
+`close` (the family ended) or `close_all` (the session ended) takes the session's pins back, so a
+dead client cannot pin state forever. Entries live in a tier (`PinTarget`); this is bookkeeping
+only, no I/O.
 """
 
 from typing import Any, Generic, Protocol, TypeVar
@@ -26,9 +28,9 @@ class PinTarget(Protocol[_Ident]):
 
     def pin(self, ident: _Ident, next_use: float | None, /) -> object: ...
 
-    def declare(self, ident: _Ident, next_use: float, /) -> None: ...
+    def declare(self, ident: _Ident, next_use: float, was: float | None, /) -> None: ...
 
-    def unpin(self, ident: _Ident, serial: int, /) -> None: ...
+    def unpin(self, ident: _Ident, serial: int, was: float | None, /) -> None: ...
 
 
 class FamilyPins(Generic[Key]):
@@ -50,18 +52,20 @@ class FamilyPins(Generic[Key]):
         if entry is None:
             return False
         pins = session.pins.setdefault(family, {})
-        if pins.get(ident) != entry.serial:
+        held = pins.get(ident)
+        if held is None or held[0] != entry.serial:
             self.target.pin(ident, next_use)
-            pins[ident] = entry.serial
+            pins[ident] = (entry.serial, next_use)
         elif next_use is not None:
-            self.target.declare(ident, next_use)
+            self.target.declare(ident, next_use, held[1])
+            pins[ident] = (entry.serial, next_use)
         return True
 
     def close(self, session: Session[Key, Any], family: str) -> int:
         """The family ended for the session: unpin its entries; returns how many it had."""
         pins = session.pins.pop(family, {})
-        for ident, serial in pins.items():
-            self.target.unpin(ident, serial)
+        for ident, (serial, next_use) in pins.items():
+            self.target.unpin(ident, serial, next_use)
         return len(pins)
 
     def close_all(self, session: Session[Key, Any]) -> None:

@@ -46,7 +46,8 @@ class Session(Generic[Key, Ask]):
 
     claims: dict[Key, None] = field(default_factory=dict)  # a set, in claim order
     lease_deadline: float = 0.0
-    pins: dict[str, dict[Key, int]] = field(default_factory=dict)  # family -> entry serials
+    # family -> pinned key -> (the entry's serial, the next use the pin declared)
+    pins: dict[str, dict[Key, tuple[int, float | None]]] = field(default_factory=dict)
     waiting: Wait[Key, Ask] | None = None
 
 

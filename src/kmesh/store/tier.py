@@ -100,11 +100,12 @@ class Tier(Protocol):
     def pin(self, ident: EntryId, next_use: float | None = None) -> StoredEntry | None:
         """Add a pin to the entry of `ident`, declaring its next use (None: no such entry)."""
 
-    def declare(self, ident: EntryId, next_use: float) -> None:
-        """A new date for a pinned entry's next use (nothing if it has no pin)."""
+    def declare(self, ident: EntryId, next_use: float, was: float | None) -> None:
+        """A new date for one pin of the entry, which held `was` (nothing if it has no pin)."""
 
-    def unpin(self, ident: EntryId, serial: int) -> None:
-        """Take back a pin from entry `serial` of `ident` (nothing if that entry is gone)."""
+    def unpin(self, ident: EntryId, serial: int, was: float | None) -> None:
+        """Take back a pin dated `was` from entry `serial` of `ident` (nothing if that entry is
+        gone)."""
 
     def make_spares(self, size: int, count: int) -> list[str]:
         """Up to `count` spare segments of `size` bytes, as many as fit in the free room; none is
@@ -290,14 +291,14 @@ class SharedMemoryTier:
             self._order.pin(ident, next_use)
         return entry
 
-    def declare(self, ident: EntryId, next_use: float) -> None:
+    def declare(self, ident: EntryId, next_use: float, was: float | None) -> None:
         if ident in self._entries:
-            self._order.declare(ident, next_use)
+            self._order.declare(ident, next_use, was)
 
-    def unpin(self, ident: EntryId, serial: int) -> None:
+    def unpin(self, ident: EntryId, serial: int, was: float | None) -> None:
         entry = self._entries.get(ident)
         if entry is not None and entry.serial == serial:
-            self._order.unpin(ident)
+            self._order.unpin(ident, was)
 
     def stats(self) -> TierStats:
         return TierStats(
