@@ -90,6 +90,20 @@ def test_collective_declares_the_round_from_round_one_under_an_approximate_salt(
     assert all(b["kmesh"]["keep_output"] for b in bodies("kmesh_per_request")[1])
 
 
+def test_recovering_calls_declare_when_their_agent_comes_back_and_exact_ones_do_not():
+    for strategy in ("kmesh_per_request", "kmesh_collective"):
+        first, second = bodies(strategy)  # rounds 0 and 1 of 3
+        assert {b["kmesh"]["next_use"] for b in first} == {1}
+        assert {b["kmesh"]["next_use"] for b in second} == {2}
+    assert all("next_use" not in b["kmesh"] for b in bodies("kmesh_exact")[1])
+    cfg = AgentsBenchConfig(agents=(2,), rounds=2, engine="reference")
+    call = AgentChats(cfg.chats(2), str.split).calls()[0]
+    last = request_body(
+        "kmesh_collective", call, 1, RunNames("kmesh_collective", "r", 2, 2), cfg, "m"
+    )
+    assert "next_use" not in last["kmesh"]  # no round after the last
+
+
 def test_an_agent_count_holds_the_slo_only_with_every_smaller_one():
     def run(p99: float, failures: tuple = ()) -> dict:
         return {"ttft_p99_s": p99, "failures": list(failures)}

@@ -7,10 +7,13 @@ usage, and one cache_salt per run (RunNames: runs never share state). KMesh stra
   or one per trajectory agent) that closes after its last call (`branches`); no recovery, an
   exact salt.
 - kmesh_per_request: the same, with per-request recovery at `per_request_ratio` and
-  `keep_output` (a message's KV as its author generated it), under a kmesh-approx salt.
+  `keep_output` (a message's KV as its author generated it), under a kmesh-approx salt; a call
+  with a round after it declares its transcript's `next_use` (that round's index), as a
+  framework that knows its agents come back would.
 - kmesh_collective: the same, with each All-Gather round from round 1 on declared
   (`recovery.round`: the previous round's outputs, mirrored from one master) at `agent_ratio`;
-  trajectory agents, which read no round, get per-request recovery at that ratio.
+  trajectory agents, which read no round, get per-request recovery at that ratio; `next_use`
+  as kmesh_per_request's.
 """
 
 from dataclasses import dataclass
@@ -81,5 +84,7 @@ def request_body(
         if call.round_outputs:
             recovery["round"] = {"id": f"r{round_index}", "segments": list(call.round_outputs)}
         kmesh["recovery"] = recovery
+    if "recovery" in kmesh and round_index + 1 < names.rounds:
+        kmesh["next_use"] = round_index + 1
     body["kmesh"] = kmesh
     return body
