@@ -156,8 +156,8 @@ class _kmesh_server:
         self.server = start_kmesh_serve(
             cfg.engine, self.work / "kmesh.log", tuple(options), timeout=600
         )
-        url, processes = self.server.url, {"server": self.server.process.pid}
-        processes["store"] = self.store.process.pid
+        url = self.server.url
+        processes = {"server": self.server.process.pid, "store": self.store.process.pid}
         return Served(url, _model_id(url), self.store.socket, processes)
 
     def __exit__(self, *_: object) -> None:
