@@ -8,8 +8,8 @@ import time
 import msgspec
 import pytest
 
+from kmesh.store.framing import MAX_FRAME_BYTES, encode_frame, take_frame
 from kmesh.store.protocol import (
-    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Acquire,
     Commit,
@@ -19,8 +19,6 @@ from kmesh.store.protocol import (
     Ping,
     Reserve,
     decode_answer,
-    encode_frame,
-    take_frame,
 )
 from tests.store.helpers import (
     chain,

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from kmesh.errors import InvalidRequestError
+from kmesh.store.framing import MAX_FRAME_BYTES, encode_frame, read_frame, take_frame
 from kmesh.store.protocol import (
-    MAX_FRAME_BYTES,
     Acquire,
     Acquired,
     HitInfo,
@@ -15,9 +15,6 @@ from kmesh.store.protocol import (
     checksum,
     decode_answer,
     decode_request,
-    encode_frame,
-    read_frame,
-    take_frame,
 )
 from kmesh.store.server import parse_size
 

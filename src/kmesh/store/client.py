@@ -73,7 +73,7 @@ from kmesh.store.segments import (
     decode_meta,
     encode_meta,
     map_segment,
-    touch_segment,
+    touch_segments,
     write_segment,
 )
 
@@ -294,10 +294,8 @@ class StoreClient(Closing):
 
     def prefault(self, size: int, count: int) -> int:
         """Have the store make up to `count` spare segments of `size` bytes (as many as its free
-        room holds) and fault their pages in from this process, so that later reservations of
-        that size are written at memory speed (tier.py: spares); returns how many are warm. It
-        takes as long as touching that much fresh memory: call it at start, like vLLM touching
-        its KV cache."""
+        room holds) and fault them in from here, so that later reservations of that size are
+        written at memory speed (tier.py: spares); how many are warm. Call it at start."""
         if size < 1:
             raise ValueError(f"a spare needs at least one byte, got size {size}")
         warm = 0
@@ -305,11 +303,7 @@ class StoreClient(Closing):
             answer = self._connection.call(Prefault(size, min(count, MAX_KEYS), tenant=self.tenant))
             if not isinstance(answer, Spares):
                 raise self._connection.unexpected(answer)
-            touched = []
-            for name in answer.names:
-                with contextlib.suppress(OSError):  # given up by the store meanwhile
-                    touch_segment(name, size)
-                    touched.append(name)
+            touched = touch_segments(answer.names, size)
             warm += self._count(Warmed(touched, tenant=self.tenant))
             if len(answer.names) < min(count, MAX_KEYS):
                 break  # the store's free room is spent

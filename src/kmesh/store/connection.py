@@ -11,14 +11,13 @@ caller's fallback ("compute it here") never depends on a half-read stream.
 import socket
 
 from kmesh.store.errors import StoreUnavailable
+from kmesh.store.framing import encode_frame, read_frame
 from kmesh.store.protocol import (
     AnyAnswer,
     AnyRequest,
     Error,
     ProtocolError,
     decode_answer,
-    encode_frame,
-    read_frame,
 )
 
 

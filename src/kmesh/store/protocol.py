@@ -1,9 +1,9 @@
-"""The store's wire protocol: versioned messages, framing and the entry checksum.
+"""The store's wire protocol: versioned messages and the entry checksum.
 
-A connection carries frames: a 4-byte big-endian length, then that many bytes holding one
-MessagePack map (encoded with `msgspec.msgpack`). A frame is at most MAX_FRAME_BYTES long. The
-client sends one request and reads one answer; the store answers requests of a connection in
-order, and answers an `acquire` that waits only when the wait is over (see docs/STORE_PROTOCOL.md).
+A connection carries frames (framing.py), each holding one MessagePack map (encoded with
+`msgspec.msgpack`). The client sends one request and reads one answer; the store answers
+requests of a connection in order, and answers an `acquire` that waits only when the wait is over
+(see docs/STORE_PROTOCOL.md).
 
 Every map carries `op` (the message type) and `v` (PROTOCOL_VERSION); a request also carries
 `tenant`. The store decodes a request in two steps, so that a client of another version gets a
@@ -17,7 +17,6 @@ detects at several GB/s, four times the speed of BLAKE2b here. It is not a defen
 hostile process: anything that can map a segment can also rewrite its checksum's inputs.
 """
 
-import socket
 import zlib
 from typing import TYPE_CHECKING, Annotated, Final, get_args
 
@@ -29,13 +28,11 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 PROTOCOL_VERSION: Final = 1
-MAX_FRAME_BYTES: Final = 1 << 20
 KEY_BYTES: Final = 32
 MAX_KEYS: Final = 1024  # keys per request: a hit costs < 600 bytes, so answers fit in a frame
 MAX_META_BYTES: Final = 512
 MAX_NAME_CHARS: Final = 256  # tenants, families and segment names
 MAX_WAIT_S: Final = 3600.0
-_LENGTH_BYTES: Final = 4
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
@@ -273,56 +270,9 @@ class _Envelope(msgspec.Struct):
     op: str
 
 
-_encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(_Envelope)
 _requests = msgspec.msgpack.Decoder(AnyRequest)
 _answers = msgspec.msgpack.Decoder(AnyAnswer)
-
-
-def encode_frame(message: Request | Answer) -> bytes:
-    """The message as one frame: length prefix, then MessagePack."""
-    body = _encoder.encode(message)
-    if len(body) > MAX_FRAME_BYTES:
-        raise ValueError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame")
-    return len(body).to_bytes(_LENGTH_BYTES, "big") + body
-
-
-def _frame_length(prefix: bytes | bytearray) -> int:
-    length = int.from_bytes(prefix[:_LENGTH_BYTES], "big")
-    if not 0 < length <= MAX_FRAME_BYTES:
-        raise ProtocolError(
-            "bad_frame", f"frame length {length} is not within 1..{MAX_FRAME_BYTES} bytes"
-        )
-    return length
-
-
-def take_frame(buffer: bytearray) -> bytes | None:
-    """Remove and return the first complete frame's body from `buffer`, or None if the buffer
-    holds no complete frame yet; a bad length prefix raises ProtocolError."""
-    if len(buffer) < _LENGTH_BYTES:
-        return None
-    end = _LENGTH_BYTES + _frame_length(buffer)
-    if len(buffer) < end:
-        return None
-    body = bytes(buffer[_LENGTH_BYTES:end])
-    del buffer[:end]
-    return body
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < size:
-        chunk = sock.recv(size - len(chunks))
-        if not chunk:
-            raise ConnectionError("the store closed the connection")
-        chunks += chunk
-    return bytes(chunks)
-
-
-def read_frame(sock: socket.socket) -> bytes:
-    """One frame's body from a blocking socket (its timeout applies to every recv); EOF raises
-    ConnectionError, a bad length prefix ProtocolError."""
-    return _recv_exactly(sock, _frame_length(_recv_exactly(sock, _LENGTH_BYTES)))
 
 
 def decode_request(body: bytes) -> AnyRequest:

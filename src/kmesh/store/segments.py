@@ -1,5 +1,5 @@
 """The store's shared memory segments as a client sees them: mapping one (`map_segment`), filling
-a reserved one (`write_segment`), faulting a spare's pages in (`touch_segment`), a verified entry
+a reserved one (`write_segment`), faulting spares' pages in (`touch_segments`), a verified entry
 mapped for reading (`Mapped`), and the meta a publish carries (MessagePack bytes its checksum
 covers). The bytes never cross the socket.
 """
@@ -108,16 +108,24 @@ def write_segment(
 _ZEROS = bytes(8 << 20)
 
 
-def touch_segment(name: str, size: int) -> None:
-    """Write zeros over a spare segment's `size` bytes, so that its pages are faulted in here and
-    now, not in a later writer's copy (tier.py: spares). OSError if it is gone."""
-    fd = _open_segment(name, os.O_WRONLY)
-    try:
-        offset = 0
-        while offset < size:
-            offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), size - offset)], offset)
-    finally:
-        os.close(fd)
+def touch_segments(names: Iterable[str], size: int) -> list[str]:
+    """Write zeros over spare segments' `size` bytes, so that their pages are faulted in here and
+    now, not in a later writer's copy (tier.py: spares); the names of those still there."""
+    touched = []
+    for name in names:
+        try:
+            fd = _open_segment(name, os.O_WRONLY)
+        except OSError:  # given up by the store meanwhile
+            continue
+        try:
+            offset = 0
+            while offset < size:
+                chunk = memoryview(_ZEROS)[: min(len(_ZEROS), size - offset)]
+                offset += os.pwrite(fd, chunk, offset)
+        finally:
+            os.close(fd)
+        touched.append(name)
+    return touched
 
 
 def _open_segment(name: str, flags: int) -> int:

@@ -25,14 +25,12 @@ from pathlib import Path
 
 from kmesh.errors import InvalidRequestError, KMeshError
 from kmesh.state.tenants import ApiKeys
+from kmesh.store.framing import MAX_FRAME_BYTES, encode_frame, take_frame
 from kmesh.store.protocol import (
-    MAX_FRAME_BYTES,
     AnyAnswer,
     Error,
     ProtocolError,
     decode_request,
-    encode_frame,
-    take_frame,
 )
 from kmesh.store.remote.front import Probed, RemoteFront, Resolved, Written
 from kmesh.store.remote.worker import RemoteConfig, RemoteWorker, start_worker
