@@ -243,7 +243,7 @@ class Mirror:
                 raise ValueError(f"{name} dtype {x.dtype} != the master's {master.blocks.dtype}")
         self._check_blocks(blocks)
         index = torch.unique(blocks.long())
-        sibling = self._region_to_blocks(k, v).index_select(0, index)
+        sibling = self._region_blocks(k, v, index)
         dropped_error = 0.0
         if tolerance is not None:
             base = _sibling_blocks(master, self, master.config, diff=False).index_select(0, index)
@@ -289,13 +289,21 @@ class Mirror:
                 f"block index out of range: {blocks.tolist()} (the sibling has {count} blocks)"
             )
 
-    def _region_to_blocks(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Region KV [L, T, H, D] laid out in the sibling's blocks, zero padded."""
+    def _region_blocks(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Sibling blocks `index` (ascending) of region KV [L, T, H, D], zero padded:
+        [len(index), 2, L, block_size, H, D]. Only those blocks' tokens are copied."""
         layers, _, heads, dim = k.shape
-        count = self.block_table.numel()
-        dense = k.new_zeros((2, layers, count * self.block_size, heads, dim))
-        dense.index_copy_(2, self.token_slots, torch.stack((k, v)))
-        return dense.view(2, layers, count, self.block_size, heads, dim).permute(2, 0, 1, 3, 4, 5)
+        out = k.new_zeros((index.numel(), 2, layers, self.block_size, heads, dim))
+        if not index.numel():
+            return out
+        slot_of = torch.full((self.block_table.numel(),), -1, dtype=torch.int64)
+        slot_of[index] = torch.arange(index.numel())
+        block = slot_of[self.token_slots // self.block_size]
+        rows = (block >= 0).nonzero().flatten()
+        within = self.token_slots[rows] % self.block_size
+        out[block[rows], 0, :, within] = k[:, rows].transpose(0, 1)
+        out[block[rows], 1, :, within] = v[:, rows].transpose(0, 1)
+        return out
 
 
 def _sibling_blocks(

@@ -3,9 +3,10 @@
 An engine's prefix cache hits whole pages, so a prompt that shares more with an earlier one than
 its whole pages hold (a sibling's trunk ending inside a page; a sibling's previous prompt minus its
 instruction, which its next prompt continues) has the shared rows of that partial page computed
-again. A recovering request keeps those rows at two boundaries of its prompt (`boundaries`): the
-end of its leading shared segments (its family's trunk) and the start of its last segment (where
-the next prompt of a transcript continues). Each kept tail is the rows [a, b) from the boundary's
+again. A recovering request keeps those rows at the boundaries of its prompt (`boundaries`): the
+end of its leading shared segments (its family's trunk) and the start of its closing (its last
+segment, and a chat's last message before the generation prompt: where the next prompt of a
+transcript continues). Each kept tail is the rows [a, b) from the boundary's
 page start a to the boundary b (less than a page), keyed by every token before b in the tenant's
 namespace (SHA-256; a hit compares tokens). A later request whose claim starts at a takes the
 longest kept tail its own tokens continue as it is: the same tokens at the same positions after
@@ -22,7 +23,7 @@ import torch
 
 from kmesh.index.segment_index import TenantIndexes
 from kmesh.recovery.jobs import PrefixReader, RecoveryJob
-from kmesh.state.segments import trunk_end
+from kmesh.state.segments import Role, trunk_end
 
 TAIL = "prefix-tail"
 
@@ -30,10 +31,18 @@ Rows = tuple[torch.Tensor, torch.Tensor]  # k, v [layers, n, kv_heads, head_dim]
 
 
 def boundaries(job: RecoveryJob) -> list[int]:
-    """The prompt positions after which `job`'s prompt is likely continued by another."""
-    if not job.spans:
+    """The prompt positions after which `job`'s prompt is likely continued by another: its
+    trunk's end and its last segment's start; when that segment is an instruction right after a
+    segment of the caller's own (a chat's generation prompt after its last message), that
+    segment's start too, since a next prompt may drop the last message (a round's ask) or keep
+    it (a tool's result)."""
+    spans = job.spans
+    if not spans:
         return []
-    return sorted({b for b in (trunk_end(job.spans), job.spans[-1].start) if b > 0})
+    ends = {trunk_end(spans), spans[-1].start}
+    if len(spans) > 1 and spans[-1].role is Role.INSTRUCTION and spans[-2].role is Role.PRIVATE:
+        ends.add(spans[-2].start)
+    return sorted(b for b in ends if b > 0)
 
 
 class PrefixTails:
