@@ -246,7 +246,7 @@ class Mirror:
         sibling = self._region_blocks(k, v, index)
         dropped_error = 0.0
         if tolerance is not None:
-            base = _sibling_blocks(master, self, master.config, diff=False).index_select(0, index)
+            base = _sibling_blocks(master, self, master.config).index_select(0, index)
             error = (sibling - base).abs().flatten(1).amax(dim=1)
             keep = error > tolerance
             if not keep.all():
@@ -306,11 +306,8 @@ class Mirror:
         return out
 
 
-def _sibling_blocks(
-    master: Master, mirror: Mirror, config: ModelConfig, diff: bool
-) -> torch.Tensor:
-    """The sibling's blocks [b, 2, L, block_size, H, D] in sibling form: the master's, gathered
-    and rotated to sibling positions, then (if `diff`) the diff blocks written over them."""
+def _check_fits(master: Master, mirror: Mirror, config: ModelConfig) -> None:
+    """Raise ValueError unless `mirror` reads `master` and `config` turns keys as it did."""
     if mirror.block_size != master.block_size:
         raise ValueError(
             f"mirror block size {mirror.block_size} != master block size {master.block_size}"
@@ -325,6 +322,12 @@ def _sibling_blocks(
             f"config (layers, kv_heads, head_dim, rope_theta) {_rope_geometry(config)} != the "
             f"master's {_rope_geometry(master.config)}"
         )
+
+
+def _sibling_blocks(master: Master, mirror: Mirror, config: ModelConfig) -> torch.Tensor:
+    """The sibling's blocks [b, 2, L, block_size, H, D] in sibling form without its diff: the
+    master's, gathered and rotated to sibling positions."""
+    _check_fits(master, mirror, config)
     gathered = master.blocks.index_select(0, mirror.block_table)
     count, _, layers, bs, heads, dim = gathered.shape
     # Master position of every slot; sibling position of every token's slot (padding: no turn).
@@ -333,21 +336,32 @@ def _sibling_blocks(
     target = stored.index_copy(0, mirror.token_slots, mirror.positions)
     keys = gathered[:, 0].transpose(1, 2).reshape(count * bs, layers, heads, dim)
     keys = _rotate(keys, stored, target, config).view(count, bs, layers, heads, dim)
-    out = torch.stack((keys.transpose(1, 2), gathered[:, 1]), dim=1)
-    if diff:
-        out.index_copy_(0, mirror.diff_index, mirror.diff_blocks)
-    return out
+    return torch.stack((keys.transpose(1, 2), gathered[:, 1]), dim=1)
 
 
 def restore(
     master: Master, mirror: Mirror, config: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sibling's region KV (k, v), each [L, T, H, D], in sibling token order."""
-    blocks = _sibling_blocks(master, mirror, config, diff=True)
-    count, _, layers, bs, heads, dim = blocks.shape
-    flat = blocks.permute(1, 2, 0, 3, 4, 5).reshape(2, layers, count * bs, heads, dim)
-    region = flat.index_select(2, mirror.token_slots)
-    return region[0], region[1]
+    """The sibling's region KV (k, v), each [L, T, H, D], in sibling token order: the master's
+    rows gathered per token and turned to the sibling's positions, the diff's rows over them."""
+    _check_fits(master, mirror, config)
+    bs = master.block_size
+    sibling_block = mirror.token_slots // bs
+    within = mirror.token_slots % bs
+    table = mirror.block_table[sibling_block]  # the master block of every token
+    kv = master.blocks.permute(1, 2, 0, 3, 4, 5)  # [2, L, B, bs, H, D], a view
+    stored = master.block_positions[table] + within
+    k = rerotate_keys(kv[0][:, table, within], stored, mirror.positions, config)
+    v = kv[1][:, table, within]
+    if mirror.diff_index.numel():
+        diff_of = torch.full((mirror.block_table.numel(),), -1, dtype=torch.int64)
+        diff_of[mirror.diff_index] = torch.arange(mirror.diff_index.numel())
+        index = diff_of[sibling_block]
+        rows = (index >= 0).nonzero().flatten()
+        diff = mirror.diff_blocks.permute(1, 2, 0, 3, 4, 5)  # [2, L, d, bs, H, D]
+        k[:, rows] = diff[0][:, index[rows], within[rows]]
+        v[:, rows] = diff[1][:, index[rows], within[rows]]
+    return k, v
 
 
 def kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:
