@@ -42,10 +42,8 @@ def test_the_trunks_end_and_the_last_segments_start_are_the_boundaries():
 def test_a_chats_last_message_before_its_generation_prompt_is_a_boundary_too():
     """A round's next prompt drops the ask (the last message) and continues before it; a tool
     loop's keeps it and continues before the generation prompt: both are boundaries."""
-    chat = job(
-        [SYSTEM, ("private", [7, 8]), ("shared", [10, 11]), ("private", [13]), ("instruction", [2])],
-        0,
-    )
+    ask, generation = ("private", [13]), ("instruction", [2])
+    chat = job([SYSTEM, ("private", [7, 8]), ("shared", [10, 11]), ask, generation], 0)
     assert boundaries(chat) == [6, 10, 11]
     after_output = job([SYSTEM, ("private", [7]), ("shared", [10, 11]), ("instruction", [12])], 0)
     assert boundaries(after_output) == [6, 9]  # only the caller's own message is a closing

@@ -351,3 +351,39 @@ def test_a_round_too_large_for_one_batch_is_recovered_in_batches_around_one_mast
     for work in jobs:
         torch.testing.assert_close(batched[work.request_id].k, whole[work.request_id].k)
         assert batched[work.request_id].report == whole[work.request_id].report
+
+
+def test_a_steps_jobs_that_reuse_what_its_first_reader_stores_are_recovered_in_one_batch(
+    model, monkeypatch
+):
+    import kmesh.recovery.requests as requests
+
+    executor, fingerprint = model
+    batches: list[int] = []
+    real = requests.recover
+
+    def counting(executor, regions, cfg):
+        batches.append(len(regions))
+        return real(executor, regions, cfg)
+
+    monkeypatch.setattr(requests, "recover", counting)
+    readers = [prompt("ab"), prompt("ba", private="y"), prompt("ab", private="y")]
+    jobs = [
+        job(ids, spans, NONE, request_id=f"r{i}", first_block=10 * i)
+        for i, (ids, spans) in enumerate(readers)
+    ]
+    batched = RequestRecovery(executor, fingerprint, page_size=BLOCK)
+    pages = {j.request_id: ExactPages(executor, j.token_ids) for j in jobs}
+
+    class StepPages:
+        def read(self, block_ids, positions):
+            return pages[f"r{block_ids[0] // 10}"].read(block_ids, positions)
+
+    got = batched.run(jobs, StepPages(), no_write)
+    assert batches == [1, 2]  # the first reader alone, then both readers of what it stored
+    assert [got[j.request_id].report.reused_tokens for j in jobs] == [0, 16, 16]
+    one_at_a_time = RequestRecovery(executor, fingerprint)
+    for j in jobs:
+        alone = one_at_a_time.run([j], pages[j.request_id], no_write)[j.request_id]
+        torch.testing.assert_close(got[j.request_id].k, alone.k, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got[j.request_id].v, alone.v, atol=1e-5, rtol=1e-4)

@@ -63,6 +63,7 @@ from kmesh.recovery.prefix_tails import PrefixTails, TailPages
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 from kmesh.recovery.segment_store import Placed, SegmentStore
 from kmesh.recovery.shared import Restored, SharedMasters, SharedState
+from kmesh.recovery.waves import waves
 
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
@@ -88,6 +89,7 @@ class RequestRecovery:
         whole pages (prefix_tails.py); None keeps none. `shared`: see `share`."""
         self.executor = executor
         self.fingerprint = fingerprint
+        self.page_size = page_size
         self.ledger = Ledger(max_bytes)
         tails = None if page_size is None else PrefixTails(fingerprint, page_size)
         self.continuations = Continuations(self.ledger, self._hold, tails)
@@ -108,12 +110,13 @@ class RequestRecovery:
     def run(
         self, jobs: Sequence[RecoveryJob], pages: PrefixReader, write: Writer
     ) -> dict[str, RecoveredRows]:
-        """Recover one step's jobs: per-request ones in order (each may store segments and
-        tails the next reuses), each round's siblings together, in batches of at most
+        """Recover one step's jobs: per-request ones in waves (waves.py: one executor batch
+        each; a job that reuses a segment an earlier one stores, or reads pages it fills, waits
+        for the next wave), then each round's siblings together, in batches of at most
         ROUND_BATCH_TOKENS claimed rows (the first batch builds the master, the next mirror it),
-        so that a round's working memory stays bounded. Each outcome goes to `write`
-        before a later job is recovered (a later job of the step may read its rows as prefix:
-        an engine's prefix cache can hand it pages this step fills), then its transcript is
+        so that a round's working memory stays bounded. Each outcome goes to `write` before a
+        later batch is recovered (a later job of the step may read its rows as prefix: an
+        engine's prefix cache can hand it pages this step fills), then its transcript is
         published. A job whose prefix a restored transcript or a kept tail continues starts
         after it (those rows are written as they are)."""
         outcomes: dict[str, RecoveredRows] = {}
@@ -121,15 +124,15 @@ class RequestRecovery:
         restored: dict[str, Restored] = {}
         steps = self.continuations
         self.segments.begin_step()
+        singles = []
         for job in jobs:
             round_ = job.spec.round
             if round_ is None or job.family is None:
-                tails = TailPages(pages)
-                outcome = self._per_request(steps.continued(job, tails, restored), tails)
-                outcome = steps.finish(job, outcome, tails, restored)
-                outcomes[job.request_id] = steps.write(job, outcome, pages, write, restored)
+                singles.append(job)
             else:
                 rounds.setdefault(RoundKey(job.tenant, job.family, round_.id), []).append(job)
+        for wave in waves(singles, self.segments.lacking, self._config, self.page_size):
+            outcomes.update(self._per_request(wave, pages, write, restored))
         for key, siblings in rounds.items():
             for chunk in _chunks(siblings):
                 tails = TailPages(pages)
@@ -142,17 +145,34 @@ class RequestRecovery:
 
     # -- per request -----------------------------------------------------------------------
 
-    def _per_request(self, job: RecoveryJob, pages: PrefixReader) -> RecoveredRows:
-        end = self.segments.storing_end(job)
-        region = self._region(job, pages, self.segments.placed(job), end)
-        recovered = recover(self.executor, [region], self._config(job))[0]
-        if not recovered.fell_back:
-            self.segments.store_computed(job, region.reusable, recovered.k, recovered.v)
-        outcome = _outcome(recovered, region)
-        if outcome.k is None or outcome.v is None:
-            return outcome
-        rows = job.end - job.start  # the claimed rows; the rest was computed to be stored
-        return RecoveredRows(outcome.report, outcome.k[:, :rows], outcome.v[:, :rows])
+    def _per_request(
+        self,
+        wave: list[RecoveryJob],
+        pages: PrefixReader,
+        write: Writer,
+        restored: dict[str, Restored],
+    ) -> dict[str, RecoveredRows]:
+        """One wave's jobs (waves.py) in one executor batch; a shared segment a job computed
+        in full is stored for the waves after it."""
+        steps = self.continuations
+        tails = TailPages(pages)
+        resumed = [steps.continued(job, tails, restored) for job in wave]
+        regions = [
+            self._region(job, tails, self.segments.placed(job), self.segments.storing_end(job))
+            for job in resumed
+        ]
+        recovered = recover(self.executor, regions, self._config(wave[0]))
+        outcomes = {}
+        for job, rest, region, out in zip(wave, resumed, regions, recovered, strict=True):
+            if not out.fell_back:
+                self.segments.store_computed(rest, region.reusable, out.k, out.v)
+            outcome = _outcome(out, region)
+            if outcome.k is not None and outcome.v is not None:
+                rows = rest.end - rest.start  # the claimed rows; the rest was computed to be stored
+                outcome = RecoveredRows(outcome.report, outcome.k[:, :rows], outcome.v[:, :rows])
+            outcome = steps.finish(job, outcome, tails, restored)
+            outcomes[job.request_id] = steps.write(job, outcome, pages, write, restored)
+        return outcomes
 
     # -- collective ------------------------------------------------------------------------
 

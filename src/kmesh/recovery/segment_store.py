@@ -85,25 +85,48 @@ class SegmentStore:
     def placed(self, job: RecoveryJob) -> dict[int, Placed]:
         """Span index -> the stored KV placed at the span's positions, for shared segments of
         the region stored whole (a first reader's), or holding a kept output (its author's)."""
-        index = self._index(job.tenant)
         placed = {}
-        for i, span in enumerate(job.spans):
-            if span.role is not Role.SHARED or span.end <= job.start or span.start >= job.end:
+        for i, tokens in self._shared_in_claim(job):
+            found = self._stored(job.tenant, tokens)
+            if found is None:
                 continue
-            tokens = job.token_ids[span.start : span.end]
-            offset, held, context = 0, tokens, FIRST_READER
-            stored = self.get(job.tenant, tokens)
-            if stored is None:
-                found = index.find_within(tokens, AUTHOR)
-                if found is None:
-                    continue
-                offset, entry = found
-                stored, held, context = entry.value, list(entry.token_ids), AUTHOR
+            offset, stored, held, context = found
             self.ledger.touch(HeldSegment(job.tenant, tuple(held), context))
-            lo = span.start + offset
+            lo = job.spans[i].start + offset
             k, v = stored.placed(torch.arange(lo, lo + len(held)), self.config)
             placed[i] = Placed(lo, k, v)
         return placed
+
+    def lacking(self, job: RecoveryJob) -> set[tuple[int, ...]]:
+        """The tokens of the shared segments starting in the job's claim that no stored KV
+        covers: what it computes and, as their first reader, stores (`storing_end`)."""
+        return {
+            tuple(tokens)
+            for i, tokens in self._shared_in_claim(job)
+            if job.spans[i].start >= job.start and self._stored(job.tenant, tokens) is None
+        }
+
+    def _shared_in_claim(self, job: RecoveryJob) -> list[tuple[int, list[int]]]:
+        """(span index, tokens) of the shared segments overlapping the job's claim."""
+        return [
+            (i, job.token_ids[span.start : span.end])
+            for i, span in enumerate(job.spans)
+            if span.role is Role.SHARED and span.end > job.start and span.start < job.end
+        ]
+
+    def _stored(
+        self, tenant: str | None, tokens: Sequence[int]
+    ) -> tuple[int, SegmentKV, Sequence[int], str] | None:
+        """What covers a shared segment: (offset in it, its KV, the tokens held, context): its
+        first reader's KV whole, or else a kept output found inside it (its author's)."""
+        stored = self.get(tenant, tokens)
+        if stored is not None:
+            return 0, stored, tokens, FIRST_READER
+        found = self._index(tenant).find_within(tokens, AUTHOR)
+        if found is None:
+            return None
+        offset, entry = found
+        return offset, entry.value, list(entry.token_ids), AUTHOR
 
     def storing_end(self, job: RecoveryJob) -> int:
         """Where the job's region ends: the claimed rows, extended to the end of a shared

@@ -4,10 +4,11 @@ let it go) restores instead of recovering it again.
 
 A job's transcript is its prompt up to its last segment's start: what its member's next prompt
 continues. It is held as a chain of pieces (group_state.py), each ending at one of the job's
-boundaries (recovery/prefix_tails.py::boundaries: the family trunk's end, the last segment's
-start) and keyed through the piece before it (state/keys.py::piece_key) in the job's tenant's
-namespace. So a trunk is one entry for every member, and each later job adds one piece: its new
-rows.
+boundaries (recovery/prefix_tails.py::boundaries: the family trunk's end, a chat's last message's
+start, the last segment's start) and keyed through the piece before it (state/keys.py::piece_key)
+in the job's tenant's namespace. So a trunk is one entry for every member, and each later job
+adds pieces of its new rows (a chat's ask is a piece of its own, which a round's next prompt
+leaves out).
 
 Finding (`restore`): a job walks its chain from the prompt's first token; at each step the
 candidate ends are its own segment boundaries after the chain's end, inside its claim; one
