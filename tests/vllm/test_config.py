@@ -1,6 +1,9 @@
 """How vLLM is started (kmesh/vllm/config.py), without starting it."""
 
-from kmesh.vllm.config import kv_transfer_config, vllm_server_args
+import pytest
+from vllm.config import KVTransferConfig
+
+from kmesh.vllm.config import extra_count, kv_transfer_config, vllm_server_args
 
 
 def test_engine_kwargs_become_vllm_server_flags():
@@ -22,3 +25,15 @@ def test_the_recovery_budget_reaches_the_connector_only_when_given():
     assert "recovery_bytes" not in kv_transfer_config(None)["kv_connector_extra_config"]
     extra = kv_transfer_config("/s.sock", 1 << 27)["kv_connector_extra_config"]
     assert extra == {"store": "/s.sock", "recovery_bytes": 1 << 27}
+
+
+def test_a_count_in_the_connectors_extra_config_is_read_or_refused_by_name():
+    def transfer(**extra):
+        return KVTransferConfig(**{**kv_transfer_config(None), "kv_connector_extra_config": extra})
+
+    assert extra_count(transfer(), "prefault_blocks", 7) == 7
+    assert extra_count(transfer(prefault_blocks="12"), "prefault_blocks", 7) == 12
+    assert extra_count(transfer(prefault_blocks=0), "prefault_blocks", 7) == 0
+    for bad in ("many", -1, 2.5, True):
+        with pytest.raises(ValueError, match="'prefault_blocks' must be a whole number >= 0"):
+            extra_count(transfer(prefault_blocks=bad), "prefault_blocks", 7)

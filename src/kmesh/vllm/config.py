@@ -50,6 +50,23 @@ def kv_transfer_config(store: str | None, recovery_bytes: int | None = None) -> 
     }
 
 
+def extra_count(transfer: Any, name: str, default: int) -> int:
+    """A whole number >= 0 from KMeshConnector's `kv_connector_extra_config` (vLLM's
+    KVTransferConfig `transfer`), `default` when absent; ValueError naming it otherwise."""
+    value = transfer.get_from_extra_config(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        value = repr(value)
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(
+            f"kv_connector_extra_config {name!r} must be a whole number >= 0, not {value!r}"
+        )
+    return count
+
+
 def vllm_engine_kwargs(
     model: str | Path | None = None,
     *,

@@ -35,6 +35,7 @@ from vllm.platforms import current_platform
 
 from kmesh.recovery.requests import RequestRecovery
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
+from kmesh.vllm.config import extra_count
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
 from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
@@ -69,11 +70,10 @@ class KMeshConnector(KVConnectorBase_V1):
             # A finished request's page tail is read from its freed block in the next step, if
             # that step left the block free: only when steps run one after another.
             finished_tails = not vllm_config.scheduler_config.async_scheduling
-            prefault = self._kv_transfer_config.get_from_extra_config(
-                "prefault_blocks", kv_cache_config.num_blocks
-            )
+            transfer = self._kv_transfer_config
+            prefault = extra_count(transfer, "prefault_blocks", kv_cache_config.num_blocks)
             self._scheduler = SchedulerSide(
-                store, layout, model, unavailable, finished_tails, int(prefault)
+                store, layout, model, unavailable, finished_tails, prefault
             )
         else:
             self._worker = WorkerSide(store, layout)

@@ -16,6 +16,7 @@ from typing import Any
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.fingerprint import model_fingerprint
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RequestRecovery
+from kmesh.vllm.config import extra_count
 from kmesh.vllm.model_bridge import executor_of_vllm_model
 
 
@@ -39,7 +40,7 @@ class KMeshWorkerExtension:
         config = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
         executor = executor_of_vllm_model(self.model_runner.get_model(), config)
         transfer = self.vllm_config.kv_transfer_config
-        limit = int(transfer.get_from_extra_config("recovery_bytes", DEFAULT_RECOVERY_BYTES))
+        limit = extra_count(transfer, "recovery_bytes", DEFAULT_RECOVERY_BYTES)
         page = self.vllm_config.cache_config.block_size
         attach(RequestRecovery(executor, model_fingerprint(path), limit, page_size=page))
         return config.num_layers
