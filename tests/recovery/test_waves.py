@@ -13,9 +13,10 @@ def job(name: str, blocks: list[int], start: int, end: int, spec=SPEC) -> Recove
     return RecoveryJob(name, list(range(end + 1)), blocks, start, end, "t", [], spec, None)
 
 
-def names(jobs, lacks=None, page_size=PAGE) -> list[list[str]]:
+def names(jobs, lacks=None, page_size=PAGE, max_rows=1000) -> list[list[str]]:
     lacks = lacks or {}
-    asked = waves(jobs, lambda j: set(lacks.get(j.request_id, ())), lambda j: j.spec, page_size)
+    lack = lambda j: set(lacks.get(j.request_id, ()))  # noqa: E731
+    asked = waves(jobs, lack, lambda j: j.spec, page_size, max_rows)
     return [[j.request_id for j in wave] for wave in asked]
 
 
@@ -47,6 +48,12 @@ def test_a_job_with_other_recovery_settings_is_batched_apart():
     assert names(jobs) == [["a", "c"], ["b"]]
 
 
+def test_a_wave_holds_at_most_its_rows_but_a_larger_job_goes_alone():
+    jobs = [job("a", [0, 1, 2], 4, 11), job("b", [0, 3, 4], 4, 11), job("c", [0, 5, 6], 4, 11)]
+    assert names(jobs, max_rows=16) == [["a", "b"], ["c"]]
+    assert names(jobs, max_rows=4) == [["a"], ["b"], ["c"]]
+
+
 def test_without_a_page_size_every_job_is_a_wave_of_its_own():
     jobs = [job("a", [0, 1], 4, 7), job("b", [0, 2], 4, 7)]
     assert names(jobs, page_size=None) == [["a"], ["b"]]
@@ -61,7 +68,7 @@ def test_what_a_job_lacks_is_asked_once_the_wave_before_it_ran():
         return set() if segment in stored else {segment}
 
     got = []
-    for wave in waves(jobs, lacking, lambda j: j.spec, PAGE):
+    for wave in waves(jobs, lacking, lambda j: j.spec, PAGE, 1000):
         got.append([j.request_id for j in wave])
         stored.add(segment)  # the wave's first reader stored it
     assert got == [["a"], ["b", "c"]]

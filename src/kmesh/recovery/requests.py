@@ -72,6 +72,8 @@ DEFAULT_RECOVERY_BYTES = 1 << 30
 # copies for the executor): 32 siblings of 1900 rows in one batch took vLLM's worker past 14 GB
 # and the machine's 24 GB (kmesh bench agents, docs/AGENTS.md); 8192 rows keep it near 1.5 GB.
 ROUND_BATCH_TOKENS = 8192
+# Claimed rows of per-request jobs recovered in one batch, at most (waves.py).
+WAVE_TOKENS = 2048
 
 
 class RequestRecovery:
@@ -131,7 +133,8 @@ class RequestRecovery:
                 singles.append(job)
             else:
                 rounds.setdefault(RoundKey(job.tenant, job.family, round_.id), []).append(job)
-        for wave in waves(singles, self.segments.lacking, self._config, self.page_size):
+        lacking, page = self.segments.lacking, self.page_size
+        for wave in waves(singles, lacking, self._config, page, WAVE_TOKENS):
             outcomes.update(self._per_request(wave, pages, write, restored))
         for key, siblings in rounds.items():
             for chunk in _chunks(siblings):
