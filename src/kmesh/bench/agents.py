@@ -7,9 +7,8 @@ plus, where the strategy declares, the `kmesh` object (bench/agents_requests.py)
 - vllm: vLLM's own OpenAI server with prefix caching (`kmesh vllm serve`), the same engine
   settings and KV cache (with `--engine reference`: `kmesh serve --engine reference`, no
   declarations);
-- kmesh_exact, kmesh_per_request, kmesh_collective: one `kmesh serve --engine E --store S` (a
-  store it starts) serves the three, one after the other, each under salts and families of its
-  own.
+- kmesh_exact, kmesh_per_request, kmesh_collective: `kmesh serve --engine E --store S` (a store
+  it starts), one server per strategy as for vllm, each under salts and families of its own.
 
 Per strategy and agent count, every round: makespan (first request sent to last response done),
 time to first token of every call (p50, p99 in the JSON), the server's counters (prompt, computed
@@ -82,26 +81,25 @@ def run_agents_bench(cfg: AgentsBenchConfig, log: Callable[[str], Any] = print) 
 def _repeat(
     cfg: AgentsBenchConfig, work: Path, tokenizer: Any, first: bool, log: Callable[[str], Any]
 ) -> dict[str, dict[int, dict[str, Any]]]:
-    """One pass over every strategy and agent count, each server started afresh; the serial
-    check in the first pass only."""
+    """One pass over every strategy and agent count, each strategy on a server of its own
+    started afresh (no strategy runs on a server another one filled); the serial check in the
+    first pass only."""
     runs: dict[str, dict[int, dict[str, Any]]] = {s: {} for s in cfg.strategies}
     nonce = uuid.uuid4().hex[:8]
     with _vllm_server(cfg, work) as served:
         for n in cfg.agents:
             log(f"agents: vllm, {n} agents x {cfg.rounds} rounds ({cfg.workload})")
             runs["vllm"][n] = _run(served, "vllm", cfg, n, tokenizer, nonce)
-    kmesh = [s for s in cfg.strategies if s != "vllm"]
-    if kmesh:
+    for strategy in (s for s in cfg.strategies if s != "vllm"):
         with _kmesh_server(cfg, work) as served:
             for n in cfg.agents:
-                for strategy in kmesh:
-                    log(f"agents: {strategy}, {n} agents x {cfg.rounds} rounds")
-                    runs[strategy][n] = _run(served, strategy, cfg, n, tokenizer, nonce)
-                    if first and strategy == "kmesh_exact" and n == _serial_agents(cfg):
-                        log(f"agents: kmesh_exact's {n}-agent calls again, one at a time")
-                        runs[strategy][n]["serial_check"] = _serial_check(
-                            served, cfg, runs[strategy][n], nonce
-                        )
+                log(f"agents: {strategy}, {n} agents x {cfg.rounds} rounds")
+                runs[strategy][n] = _run(served, strategy, cfg, n, tokenizer, nonce)
+                if first and strategy == "kmesh_exact" and n == _serial_agents(cfg):
+                    log(f"agents: kmesh_exact's {n}-agent calls again, one at a time")
+                    runs[strategy][n]["serial_check"] = _serial_check(
+                        served, cfg, runs[strategy][n], nonce
+                    )
     return runs
 
 
