@@ -10,13 +10,12 @@ region [start, end) goes through kmesh.recovery:
 - per request (no round): each shared segment in the region whose KV is stored (keyed by tenant
   and tokens) is re-rotated to its positions and reused, or else the stored output of an earlier
   request (`keep_output`: its generated tokens' KV as its author computed them) found inside it,
-  the segment's other tokens (a header, closing tokens) then computed; the policy recomputes
-  `ratio` of the reused tokens
-  (kv_deviation, first_k, random; none keeps it as is, full recomputes all). Tokens no stored
-  segment covers are computed. A shared segment this request computed in full is stored (its KV
-  in this request's context, keys turned to canonical positions): later readers reuse it. One that
-  crosses past the claimed rows (into the prompt's last token) is computed whole here for that
-  (its tail twice).
+  the segment's other tokens (a header, closing tokens) then computed; the policy recomputes `ratio`
+  of the reused tokens (kv_deviation, first_k, random; none keeps it as is, full recomputes all).
+  Tokens no stored segment covers are computed. A shared segment this request computed in full
+  is stored (its KV in this request's context, keys turned to canonical positions): later readers
+  reuse it. One that crosses past the claimed rows (into the prompt's last token) is computed
+  whole here for that (its tail twice).
 - collective (a declared round, kmesh/recovery/collective.py): the round's master is its first
   sibling's own exact KV of the round's output segments (or, with `master: "common"`, the outputs
   recovered once after the family's common context: its leading shared segments, then every
@@ -25,9 +24,8 @@ region [start, end) goes through kmesh.recovery:
   blocks, and its other tokens are computed. Siblings of a round in one step are recovered in one
   batch.
 
-The gate: a region whose mean check-layer key deviation exceeds `gate` is not written
-(RecoveredRows k and v None); the engine computes those rows itself (vLLM: reported as load
-errors, recomputed by its ordinary prefill), the safe fallback.
+The gate: a region whose mean check-layer key deviation exceeds `gate` is not written (k, v None);
+the engine computes those rows itself (vLLM: load errors, recomputed by its prefill), the fallback.
 
 What a RequestRecovery keeps (stored segments, masters, common contexts) is bounded by
 `max_bytes`, least recently used dropped first: a dropped segment is computed again by its next
@@ -35,9 +33,9 @@ reader, a dropped master rebuilt by the round's next sibling, a dropped common c
 from the family's leading shared segments.
 
 Shared (`share`, a SharedState: shared.py, implemented by the store), state goes beyond this
-engine: rounds' masters (a round whose master it lacks looks there first), jobs' transcripts
-(continuations.py: a job restores what an earlier job of any engine published, and publishes its
-own new rows), first readers' segments (segment_store.py).
+engine: rounds' masters (a round lacking its master looks there first), jobs' transcripts
+(continuations.py: a job restores what an earlier job of any engine published, and publishes
+its new rows), first readers' segments (segment_store.py).
 """
 
 from collections.abc import Sequence
@@ -67,10 +65,9 @@ from kmesh.recovery.waves import waves
 
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
-# Claimed rows of a round's siblings recovered in one batch, at most (one sibling may exceed it).
-# A sibling's batch holds about 6x its rows' KV at once (its placed mirrors, the recovered rows,
-# copies for the executor): 32 siblings of 1900 rows in one batch took vLLM's worker past 14 GB
-# and the machine's 24 GB (kmesh bench agents, docs/AGENTS.md); 8192 rows keep it near 1.5 GB.
+# Claimed rows of a round's siblings recovered in one batch, at most (one sibling may exceed it);
+# a sibling's batch holds ~6x its rows' KV at once (placed mirrors, recovered rows, copies): 32
+# siblings of 1900 rows took vLLM's worker past 14 GB (docs/AGENTS.md); 8192 rows keep ~1.5 GB.
 ROUND_BATCH_TOKENS = 8192
 # Claimed rows of per-request jobs recovered in one batch, at most (waves.py).
 WAVE_TOKENS = 2048
@@ -87,8 +84,8 @@ class RequestRecovery:
         page_size: int | None = None,
         shared: SharedState | None = None,
     ) -> None:
-        """`page_size`: the engine's prefix-cache page in tokens, to keep prompts' tails past
-        whole pages (prefix_tails.py); None keeps none. `shared`: see `share`."""
+        """`page_size`: the engine's page in tokens, for prompts' tails past whole pages
+        (prefix_tails.py; None keeps none). `shared`: see `share`."""
         self.executor = executor
         self.fingerprint = fingerprint
         self.page_size = page_size
