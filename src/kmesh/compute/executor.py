@@ -9,6 +9,9 @@ equals the full computation at those positions.
 
 Keys are returned (and expected) after RoPE, so stored KV is position-bound.
 
+Every tensor a caller passes (token ids, positions, KV) lives on the weights' device
+(`Executor.device`: the CPU, or a GPU); what the executor makes lives there too.
+
 Tensors flow in the weights' dtype (float32 or bfloat16); what rounds badly in bfloat16 is done in
 float32 as vLLM's Llama does on CPU, so that the executor on vLLM's modules computes what vLLM
 computes: the RMS norms (vLLM's native rms_norm: normalized in float32, rounded, then times the
@@ -98,7 +101,8 @@ class Executor:
         self.config = config
         self.weights = weights
         self.dtype = weights.embed_tokens.dtype
-        self._inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+        self.device = weights.embed_tokens.device
+        self._inv_freq = inverse_frequencies(config.head_dim, config.rope_theta).to(self.device)
 
     @torch.inference_mode()
     def forward(

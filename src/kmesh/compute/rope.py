@@ -57,6 +57,6 @@ def rerotate_keys(
 ) -> torch.Tensor:
     """Keys [..., n, kv_heads, head_dim] (e.g. [layers, n, ...]) computed at `from_positions`
     [n], as if computed at `to_positions` [n], in the keys' dtype."""
-    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta).to(keys.device)
     cos, sin = rope_cos_sin(to_positions - from_positions, inv_freq)
     return apply_rope(keys, cos, sin)

@@ -1,6 +1,9 @@
-"""A tiny random-weight Llama for fast tests where real weights do not matter (exactness)."""
+"""Random-weight Llamas for tests where real weights do not matter (exactness): the tiny one by
+default, or any Llama shape given as a Hugging Face config."""
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -26,12 +29,15 @@ TINY_HF_CONFIG = {
 }
 
 
-def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights in Hugging Face Llama naming, deterministic in `seed`."""
-    cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
+def tiny_state_dict(
+    seed: int = 0, hf_config: Mapping[str, Any] = TINY_HF_CONFIG, scale: float = 0.1
+) -> dict[str, torch.Tensor]:
+    """Random weights in Hugging Face Llama naming, deterministic in `seed`: normal with standard
+    deviation `scale` (norms 1 + that)."""
+    cfg = ModelConfig.from_hf(hf_config)
     gen = torch.Generator().manual_seed(seed)
 
-    def rand(*shape: int, scale: float = 0.1) -> torch.Tensor:
+    def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
     def norm() -> torch.Tensor:
@@ -56,9 +62,13 @@ def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def tiny_executor(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[Executor, str]:
-    """An executor over tiny random weights, and a fingerprint that changes with `seed`."""
+def tiny_executor(
+    seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[Executor, str]:
+    """An executor over tiny random weights on `device`, and a fingerprint that changes with
+    `seed`."""
     cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
-    weights = LlamaWeights.from_state_dict(tiny_state_dict(seed), cfg, dtype)
+    state = {name: w.to(device) for name, w in tiny_state_dict(seed).items()}
+    weights = LlamaWeights.from_state_dict(state, cfg, dtype)
     fingerprint = hashlib.sha256(f"kmesh-tiny-llama-seed-{seed}".encode()).hexdigest()
     return Executor(cfg, weights), fingerprint

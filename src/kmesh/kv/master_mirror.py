@@ -96,7 +96,8 @@ class Master:
             count = blocks_for(length, self.block_size)
             blocks = self.blocks[first : first + count]  # [count, 2, L, bs, H, D]
             rows = blocks.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :length]  # [2, L, n, H, D]
-            out.append(MasterSegment(rows[0], rows[1], torch.arange(start, start + length)))
+            positions = torch.arange(start, start + length, device=self.blocks.device)
+            out.append(MasterSegment(rows[0], rows[1], positions))
         return out
 
     @classmethod
@@ -296,8 +297,8 @@ class Mirror:
         out = k.new_zeros((index.numel(), 2, layers, self.block_size, heads, dim))
         if not index.numel():
             return out
-        slot_of = torch.full((self.block_table.numel(),), -1, dtype=torch.int64)
-        slot_of[index] = torch.arange(index.numel())
+        slot_of = torch.full_like(self.block_table, -1, dtype=torch.int64)
+        slot_of[index] = torch.arange(index.numel(), device=index.device)
         block = slot_of[self.token_slots // self.block_size]
         rows = (block >= 0).nonzero().flatten()
         within = self.token_slots[rows] % self.block_size
@@ -354,8 +355,8 @@ def restore(
     k = rerotate_keys(kv[0][:, table, within], stored, mirror.positions, config)
     v = kv[1][:, table, within]
     if mirror.diff_index.numel():
-        diff_of = torch.full((mirror.block_table.numel(),), -1, dtype=torch.int64)
-        diff_of[mirror.diff_index] = torch.arange(mirror.diff_index.numel())
+        diff_of = torch.full_like(mirror.block_table, -1, dtype=torch.int64)
+        diff_of[mirror.diff_index] = torch.arange(mirror.diff_index.numel(), device=k.device)
         index = diff_of[sibling_block]
         rows = (index >= 0).nonzero().flatten()
         diff = mirror.diff_blocks.permute(1, 2, 0, 3, 4, 5)  # [2, L, d, bs, H, D]

@@ -33,10 +33,12 @@ class SegmentKV:
                 f"segment KV shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                 f"{len(positions)} positions"
             )
-        return cls(rerotate_keys(k, positions, torch.arange(len(positions)), config), v)
+        canonical = torch.arange(len(positions), device=k.device)
+        return cls(rerotate_keys(k, positions, canonical, config), v)
 
     def placed(
         self, positions: torch.Tensor, config: ModelConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) with the keys turned to `positions` [n]."""
-        return rerotate_keys(self.k, torch.arange(len(self)), positions, config), self.v
+        canonical = torch.arange(len(self), device=self.k.device)
+        return rerotate_keys(self.k, canonical, positions, config), self.v

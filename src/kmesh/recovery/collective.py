@@ -125,7 +125,7 @@ def master_of_sibling(
                 f"(to {sibling.end}): the master needs every segment's KV"
             )
         k, v = _exact_rows(sibling, recovered, lo, hi)
-        segments.append(MasterSegment(k, v, torch.arange(lo, hi)))
+        segments.append(MasterSegment(k, v, torch.arange(lo, hi, device=k.device)))
     return Master.build(segments, block_size, executor.config)
 
 
@@ -178,7 +178,8 @@ def master_in_common(
     config = executor.config
     start = common.length
     lengths = [len(s.token_ids) for s in segments]
-    positions = torch.arange(start, start + sum(lengths))
+    device = executor.device
+    positions = torch.arange(start, start + sum(lengths), device=device)
     at = positions.split(lengths)
     placed = [s.stored.placed(p, config) for s, p in zip(segments, at, strict=True)]
     policy_cfg = cfg if cfg.ratio < 1.0 else EXACT
@@ -192,7 +193,9 @@ def master_in_common(
                 torch.cat([k for k, _ in placed], dim=1),
                 torch.cat([v for _, v in placed], dim=1),
                 torch.cat([s.reusable for s in segments]),
-                torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+                torch.repeat_interleave(
+                    torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+                ),
             )
         ],
         policy_cfg,
@@ -230,7 +233,7 @@ class CommonContext:
         return self.k.nbytes + self.v.nbytes
 
     def dense(self) -> DenseKV:
-        return DenseKV(torch.arange(self.length), list(self.k), list(self.v))
+        return DenseKV(torch.arange(self.length, device=self.k.device), list(self.k), list(self.v))
 
     def extend(self, shared: Recovered) -> None:
         """Append a round's recovered segments (master_in_common's recovery)."""
@@ -256,14 +259,15 @@ def _plain_region(executor: Executor, sibling: SiblingInput) -> RegionInput:
     """The sibling's region with nothing reused (computed in full)."""
     t = len(sibling.token_ids)
     blank = blank_kv(executor, t)
+    device = executor.device
     return RegionInput(
         sibling.token_ids,
-        torch.arange(sibling.start, sibling.end),
+        torch.arange(sibling.start, sibling.end, device=device),
         sibling.prefix,
         blank,
         blank,
-        torch.zeros(t, dtype=torch.bool),
-        torch.zeros(t, dtype=torch.int64),
+        torch.zeros(t, dtype=torch.bool, device=device),
+        torch.zeros(t, dtype=torch.int64, device=device),
     )
 
 
@@ -294,10 +298,11 @@ def _placed_region(
     Units for whole-block selection: a placed token's unit is (mirror index << 32 | its mirror
     block), every other token a unit of its own (never chosen: not reusable)."""
     t = len(sibling.token_ids)
+    device = executor.device
     k, v = blank_kv(executor, t), blank_kv(executor, t)
-    reusable = torch.zeros(t, dtype=torch.bool)
-    segment = torch.full((t,), len(sibling.spans), dtype=torch.int64)
-    block = -1 - torch.arange(t, dtype=torch.int64)
+    reusable = torch.zeros(t, dtype=torch.bool, device=device)
+    segment = torch.full((t,), len(sibling.spans), dtype=torch.int64, device=device)
+    block = -1 - torch.arange(t, dtype=torch.int64, device=device)
     mirrors = []
     restored = []
     for index, (lo, order) in enumerate(_runs(sibling.spans)):
@@ -310,14 +315,15 @@ def _placed_region(
         reusable[rows] = True
         block[rows] = (index << 32) | mirror.block_of_token()[inside]
         segment_of = torch.repeat_interleave(
-            torch.tensor(order), torch.tensor([master.segment_lengths[i] for i in order])
+            torch.tensor(order, device=device),
+            torch.tensor([master.segment_lengths[i] for i in order], device=device),
         )
         segment[rows] = segment_of[inside]
         mirrors.append(mirror)
         restored.append((mirror_k, mirror_v))
     region = RegionInput(
         sibling.token_ids,
-        torch.arange(sibling.start, sibling.end),
+        torch.arange(sibling.start, sibling.end, device=device),
         sibling.prefix,
         k,
         v,
@@ -332,4 +338,5 @@ def _placed_region(
 def blank_kv(executor: Executor, n: int) -> torch.Tensor:
     """Zero KV [layers, n, kv_heads, head_dim] in the executor's dtype (rows to be filled)."""
     c = executor.config
-    return torch.zeros((c.num_layers, n, c.num_kv_heads, c.head_dim), dtype=executor.dtype)
+    shape = (c.num_layers, n, c.num_kv_heads, c.head_dim)
+    return torch.zeros(shape, dtype=executor.dtype, device=executor.device)

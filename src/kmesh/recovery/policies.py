@@ -36,11 +36,12 @@ def select(
     deviation (kv_deviation only)."""
     check_policy(policy)
     units = len(unit_segment)
+    device = unit_segment.device
     budget = max(0, min(budget, units))
     if policy == "full":
-        return torch.arange(units)
+        return torch.arange(units, device=device)
     if policy == "none" or budget == 0:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=device)
     if policy == "kv_deviation":
         if deviation is None or len(deviation) != units:
             raise ValueError("kv_deviation needs one check-layer deviation per unit")
@@ -50,15 +51,16 @@ def select(
         # Stable sort by (rank, segment): every segment's first unit, then every second, ...
         chosen = torch.argsort(rank * units + unit_segment, stable=True)[:budget]
     else:
+        # Drawn on the CPU: the same units on every device.
         generator = torch.Generator().manual_seed(seed)
-        chosen = torch.randperm(units, generator=generator)[:budget]
+        chosen = torch.randperm(units, generator=generator)[:budget].to(device)
     return torch.sort(chosen).values
 
 
 def _rank_within_segment(unit_segment: torch.Tensor) -> torch.Tensor:
     """0 for each segment's first unit, 1 for its second, ... (units of a segment contiguous)."""
-    index = torch.arange(len(unit_segment))
-    starts = torch.ones(len(unit_segment), dtype=torch.bool)
+    index = torch.arange(len(unit_segment), device=unit_segment.device)
+    starts = torch.ones(len(unit_segment), dtype=torch.bool, device=unit_segment.device)
     starts[1:] = unit_segment[1:] != unit_segment[:-1]
     first = torch.cummax(torch.where(starts, index, 0), dim=0).values
     return index - first

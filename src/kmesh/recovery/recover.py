@@ -183,10 +183,11 @@ def _early_rows(region: RegionInput, sample: float) -> torch.Tensor:
     """Sorted region rows computed through the check layers: every new token, and an evenly
     spaced `sample` share of the reusable ones (all of them at 1.0; at least one)."""
     if sample >= 1.0:
-        return torch.arange(len(region.token_ids))
+        return torch.arange(len(region.token_ids), device=region.token_ids.device)
     reusable = torch.nonzero(region.reusable)[:, 0]
     count = max(1, round(sample * len(reusable)))
-    picked = reusable[torch.linspace(0, len(reusable) - 1, count).round().long().unique()]
+    spaced = torch.linspace(0, len(reusable) - 1, count, device=reusable.device)
+    picked = reusable[spaced.round().long().unique()]
     return torch.sort(torch.cat((picked, torch.nonzero(~region.reusable)[:, 0]))).values
 
 
@@ -209,21 +210,23 @@ def _choose(
     """Sorted indices of the reusable tokens to recompute; `deviation` covers every region token
     (kv_deviation's scores) or is None."""
     tokens = torch.nonzero(region.reusable)[:, 0]
+    device = tokens.device
     if fell_back or cfg.policy == "full":
         return tokens
     if region.block is None:
-        unit_of_token = torch.arange(len(tokens))
+        unit_of_token = torch.arange(len(tokens), device=device)
         units = len(tokens)
     else:
         unit_ids, unit_of_token = torch.unique(region.block[tokens], return_inverse=True)
         units = len(unit_ids)
-    unit_segment = torch.zeros(units, dtype=torch.int64).scatter_(
+    unit_segment = torch.zeros(units, dtype=torch.int64, device=device).scatter_(
         0, unit_of_token, region.segment[tokens]
     )
     unit_deviation = None
     if deviation is not None:
-        sums = torch.zeros(units).index_add_(0, unit_of_token, deviation[tokens].float())
-        counts = torch.zeros(units).index_add_(0, unit_of_token, torch.ones(len(tokens)))
+        zeros = torch.zeros(units, device=device)
+        sums = zeros.index_add(0, unit_of_token, deviation[tokens].float())
+        counts = zeros.index_add(0, unit_of_token, torch.ones(len(tokens), device=device))
         unit_deviation = sums / counts
     units_chosen = select(
         cfg.policy, round(cfg.ratio * units), unit_segment, unit_deviation, cfg.seed
@@ -233,7 +236,7 @@ def _choose(
 
 def _context(region: RegionInput, compute: torch.Tensor) -> "_RegionContext":
     """The prefix plus the reused KV of every region token not in `compute`."""
-    keep = torch.ones(len(region.token_ids), dtype=torch.bool)
+    keep = torch.ones_like(region.reusable)
     keep[compute] = False
     positions = region.positions[keep]
     if region.prefix is not None:
@@ -277,7 +280,7 @@ def _assemble(
     if early is not None and early_rows is not None:
         # The first phase's fresh KV of layers 0..c is kept where it was computed (it is paid
         # for), or only for the recomputed tokens when the reused KV must stay elsewhere.
-        keep = torch.ones(len(early_rows), dtype=torch.bool)
+        keep = torch.ones_like(early_rows, dtype=torch.bool)
         if region.keep_reused_outside_selection:
             keep = torch.isin(early_rows, compute)
         for layer in range(cfg.check_layer + 1):
