@@ -30,7 +30,7 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
-from kmesh.compute.tiny import TINY_HF_CONFIG, tiny_state_dict
+from kmesh.compute.tiny import SHAPES, random_state_dict
 from kmesh.compute.weights import LlamaWeights
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
 from kmesh.recovery.collective import SiblingInput, recover_round
@@ -47,22 +47,10 @@ pytestmark = pytest.mark.skipif(not _available(DEVICE), reason=f"no {DEVICE} dev
 
 ATOL = 1e-4
 REL_CROSS = 1e-4
-SMOLLM2_SHAPE = {
-    **TINY_HF_CONFIG,
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "rope_theta": 100000.0,
-    "max_position_embeddings": 8192,
-}
 # name: (Hugging Face config, weights' standard deviation: ~1/sqrt(hidden) keeps scores O(1))
 MODELS: dict[str, tuple[dict[str, Any], float]] = {
-    "tiny": (TINY_HF_CONFIG, 0.1),
-    "smollm2_shape": (SMOLLM2_SHAPE, 0.04),
+    "tiny": (SHAPES["tiny"], 0.1),
+    "smollm2_shape": (SHAPES["smollm2_135m"], 0.04),
 }
 
 
@@ -71,7 +59,7 @@ def executors(model: str) -> tuple[Executor, Executor]:
     """The same random weights on the CPU and on DEVICE (float32)."""
     hf, scale = MODELS[model]
     config = ModelConfig.from_hf(hf)
-    state = tiny_state_dict(0, hf, scale)
+    state = random_state_dict(0, hf, scale)
     on = {device: {n: w.to(device) for n, w in state.items()} for device in ("cpu", DEVICE)}
     return (
         Executor(config, LlamaWeights.from_state_dict(on["cpu"], config, torch.float32)),

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kmesh.cli import main
 from tests.conftest import run_kmesh as kmesh
@@ -103,6 +104,14 @@ def test_model_info_names_the_cache_and_config():
             "separated by commas, like 4,8,16",
         ),
         (["bench", "capacity", "--agents", "1", "--json", "x.json"], "at least 2"),
+        (["bench", "round", "--siblings", "1", "--json", "x.json"], "at least 2 siblings"),
+        (["bench", "round", "--shape", "gpt", "--json", "x.json"], "--shape takes one of"),
+        (["bench", "round", "--shape", "tiny", "--model", "m", "--json", "x.json"], "not both"),
+        (["bench", "round", "--device", "tpu:x", "--json", "x.json"], "is not a device"),
+        (
+            ["bench", "round", "--shape", "tiny", "--trunk-tokens", "5000", "--json", "x.json"],
+            "past the model's 4096 positions",
+        ),
         (["bench", "capacity", "--rounds", "1", "--json", "x.json"], "--rounds must be at least"),
         (
             ["bench", "capacity", "--strategies", "kmesh", "--json", "x.json"],
@@ -150,3 +159,10 @@ def test_a_capacity_budget_below_one_request_is_refused_before_anything_runs(cap
     assert status == 2
     assert "--budget-mib 64 does not hold one request's KV at 32 agents" in stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_bench_round_on_cuda_where_torch_sees_none_is_refused(capsys):
+    status, stderr = kmesh_in_process(["bench", "round", "--device", "cuda", "--json", "x"], capsys)
+    assert status == 2
+    assert "torch sees no CUDA device here; use --device cpu" in stderr

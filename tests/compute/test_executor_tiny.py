@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
-from kmesh.compute.tiny import TINY_HF_CONFIG, tiny_state_dict
+from kmesh.compute.tiny import TINY_HF_CONFIG, random_state_dict
 from tests.conftest import random_tokens
 
 ATOL = 1e-4
@@ -25,7 +25,7 @@ def full(executor: Executor, tokens: list[int]):
 def test_matches_transformers_on_the_same_weights(tiny):
     executor, _ = tiny
     hf = LlamaForCausalLM(LlamaConfig(**TINY_HF_CONFIG)).eval()
-    hf.load_state_dict(tiny_state_dict(seed=0), strict=False)
+    hf.load_state_dict(random_state_dict(seed=0), strict=False)
     hf.tie_weights()
     tokens = random_tokens(300, seed=1)
     _, ours = full(executor, tokens)

@@ -11,11 +11,12 @@ from rich.console import Console
 from rich.table import Column, Table
 
 
-def hardware() -> str:
-    """The machine a report was measured on, as every bench's JSON states it."""
-    return (
-        f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU, torch {torch.__version__}, fp32"
-    )
+def hardware(dtype: str = "fp32") -> str:
+    """The machine a report was measured on, and the dtype it computed in, as every bench's JSON
+    states it."""
+    gpu = f"{torch.cuda.get_device_name(0)} GPU" if torch.cuda.is_available() else "no GPU"
+    cpu = f"{os.cpu_count()}-core {platform.machine()} CPU"
+    return f"{cpu}, {gpu}, torch {torch.__version__}, {dtype}"
 
 
 def report_console() -> Console:

@@ -44,8 +44,12 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return path
 
 
-def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model folder, or the embedded default model when `model` is None."""
+def load_model(
+    model: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load a model folder, or the embedded default model when `model` is None, onto `device`."""
     from transformers import AutoTokenizer
 
     path = resolve_model_dir(model)
@@ -54,7 +58,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     weight_files = sorted(path.glob("*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     for file in weight_files:
-        state.update(load_file(file))
+        state.update(load_file(file, device=str(device)))
     weights = LlamaWeights.from_state_dict(state, config, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     fingerprint = model_fingerprint(path)

@@ -1,5 +1,5 @@
-"""Random-weight Llamas for tests where real weights do not matter (exactness): the tiny one by
-default, or any Llama shape given as a Hugging Face config."""
+"""Random-weight Llamas where real weights do not matter: exactness tests (the tiny one by default)
+and timings in a real model's shape (SHAPES), which do not depend on the weights' values."""
 
 import hashlib
 from collections.abc import Mapping
@@ -27,18 +27,52 @@ TINY_HF_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# Real models' shapes (their Hugging Face configs' sizes), for random weights of that size.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": TINY_HF_CONFIG,
+    "smollm2_135m": {
+        **TINY_HF_CONFIG,
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+    },
+    "llama3_8b": {
+        **TINY_HF_CONFIG,
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    },
+}
 
 
-def tiny_state_dict(
-    seed: int = 0, hf_config: Mapping[str, Any] = TINY_HF_CONFIG, scale: float = 0.1
+def random_state_dict(
+    seed: int = 0,
+    hf_config: Mapping[str, Any] = TINY_HF_CONFIG,
+    scale: float = 0.1,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """Random weights in Hugging Face Llama naming, deterministic in `seed`: normal with standard
-    deviation `scale` (norms 1 + that)."""
+    """Random weights in Hugging Face Llama naming, made on `device` in `dtype`: normal with
+    standard deviation `scale` (norms 1 + that), deterministic in `seed` per device (the same
+    weights on every device: make them on the CPU and move them)."""
     cfg = ModelConfig.from_hf(hf_config)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * scale
 
     def norm() -> torch.Tensor:
         return 1.0 + rand(cfg.hidden_size)
@@ -59,6 +93,8 @@ def tiny_state_dict(
         state[p + "mlp.up_proj.weight"] = rand(cfg.intermediate_size, h)
         state[p + "mlp.down_proj.weight"] = rand(h, cfg.intermediate_size)
     state["model.norm.weight"] = norm()
+    if not cfg.tie_word_embeddings:
+        state["lm_head.weight"] = rand(cfg.vocab_size, h)
     return state
 
 
@@ -68,7 +104,7 @@ def tiny_executor(
     """An executor over tiny random weights on `device`, and a fingerprint that changes with
     `seed`."""
     cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
-    state = {name: w.to(device) for name, w in tiny_state_dict(seed).items()}
+    state = {name: w.to(device) for name, w in random_state_dict(seed).items()}
     weights = LlamaWeights.from_state_dict(state, cfg, dtype)
     fingerprint = hashlib.sha256(f"kmesh-tiny-llama-seed-{seed}".encode()).hexdigest()
     return Executor(cfg, weights), fingerprint
