@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kmesh.compute.executor import SequenceInput
-from kmesh.compute.rope import rerotate_keys
+from kmesh.compute.rope import apply_rope, inverse_frequencies, rerotate_keys, rope_cos_sin
 from tests.conftest import random_tokens, rope_pair_norms
 
 
@@ -67,3 +67,16 @@ def test_bfloat16_keys_are_turned_in_float32_and_rounded_once(tiny):
     )
     reference = rerotate_keys(keys, positions, to, executor.config)
     assert ((moved.float() - reference).abs() <= 2**-7 * rope_pair_norms(keys) + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_half_by_half_rounds_as_the_whole_formula_does(dtype):
+    # apply_rope adds rotate_half(x) * sin one half at a time to save temporaries; the result
+    # must be x * cos + rotate_half(x) * sin bit for bit (vLLM's exactness rests on it).
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 40, 2, 16, generator=gen) * 4).to(dtype)
+    positions = torch.randint(0, 9000, (40,), generator=gen)
+    cos, sin = rope_cos_sin(positions, inverse_frequencies(16, 1e4))
+    x32, c, s = x.float(), cos[:, None, :], sin[:, None, :]
+    whole = (x32 * c + torch.cat((-x32[..., 8:], x32[..., :8]), dim=-1) * s).to(dtype)
+    assert torch.equal(apply_rope(x, cos, sin), whole)

@@ -4,6 +4,8 @@ Tolerance 1e-4 as in tests/compute/test_executor_tiny.py: same fp32 math, differ
 order (~1e-6 observed); a wrong mask, position or KV entry moves values by ~1e-1 here.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -179,3 +181,18 @@ def test_bad_configs_are_refused():
         RecoveryConfig("none", 0.0, gate_sample=0.0)
     with pytest.raises(ValueError, match="unknown recovery policy"):
         RecoveryConfig("magic", 0.1)
+
+
+def test_a_scratch_region_gets_its_result_in_its_own_tensors_as_a_copy_would(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=4)
+    region = _region(executor, tokens, "garbage")
+    cfg = RecoveryConfig("kv_deviation", 0.3)
+    copied = recover(executor, [region], cfg)[0]
+    scratch = replace(
+        region, reused_k=region.reused_k.clone(), reused_v=region.reused_v.clone(), scratch=True
+    )
+    out = recover(executor, [scratch], cfg)[0]
+    assert out.k is scratch.reused_k and out.v is scratch.reused_v
+    assert torch.equal(out.k, copied.k) and torch.equal(out.v, copied.v)
+    assert not torch.equal(region.reused_k, copied.k)  # a region that is not scratch is left alone

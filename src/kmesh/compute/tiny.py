@@ -98,13 +98,9 @@ def random_state_dict(
     return state
 
 
-def tiny_executor(
-    seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[Executor, str]:
-    """An executor over tiny random weights on `device`, and a fingerprint that changes with
-    `seed`."""
+def tiny_executor(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[Executor, str]:
+    """An executor over tiny random weights, and a fingerprint that changes with `seed`."""
     cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
-    state = {name: w.to(device) for name, w in random_state_dict(seed).items()}
-    weights = LlamaWeights.from_state_dict(state, cfg, dtype)
+    weights = LlamaWeights.from_state_dict(random_state_dict(seed), cfg, dtype)
     fingerprint = hashlib.sha256(f"kmesh-tiny-llama-seed-{seed}".encode()).hexdigest()
     return Executor(cfg, weights), fingerprint

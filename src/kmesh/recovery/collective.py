@@ -258,16 +258,16 @@ def _runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, tuple[int, ...]]]
 def _plain_region(executor: Executor, sibling: SiblingInput) -> RegionInput:
     """The sibling's region with nothing reused (computed in full)."""
     t = len(sibling.token_ids)
-    blank = blank_kv(executor, t)
     device = executor.device
     return RegionInput(
         sibling.token_ids,
         torch.arange(sibling.start, sibling.end, device=device),
         sibling.prefix,
-        blank,
-        blank,
+        blank_kv(executor, t),
+        blank_kv(executor, t),
         torch.zeros(t, dtype=torch.bool, device=device),
         torch.zeros(t, dtype=torch.int64, device=device),
+        scratch=True,
     )
 
 
@@ -331,6 +331,7 @@ def _placed_region(
         segment,
         block,
         keep_reused_outside_selection=True,
+        scratch=True,
     )
     return region, tuple(mirrors), restored
 

@@ -72,6 +72,9 @@ class RegionInput:
     block: torch.Tensor | None = None
     # Keep the reused KV of tokens that are not recomputed even at the check layers.
     keep_reused_outside_selection: bool = False
+    # reused_k and reused_v (two tensors) were made for this call alone: the result is written
+    # into them rather than into copies (a region's KV copied is a big fresh allocation).
+    scratch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,8 +277,8 @@ def _assemble(
 ) -> Recovered:
     t = len(region.token_ids)
     compute = torch.sort(torch.cat((plan.chosen, torch.nonzero(~region.reusable)[:, 0]))).values
-    k = region.reused_k.clone()
-    v = region.reused_v.clone()
+    k = region.reused_k if region.scratch else region.reused_k.clone()
+    v = region.reused_v if region.scratch else region.reused_v.clone()
     cost = 0.0
     if early is not None and early_rows is not None:
         # The first phase's fresh KV of layers 0..c is kept where it was computed (it is paid
