@@ -18,6 +18,8 @@ from kmesh.errors import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
+    from kmesh.compute.config import ModelConfig
+
 DTYPES = ("float32", "bfloat16")
 
 
@@ -56,19 +58,24 @@ def _bench_round(args: argparse.Namespace) -> None:
     if args.shape is not None:
         hf = SHAPES[args.shape]
         config = ModelConfig.from_hf(hf)
+        _check_fits(cfg, config)  # before the weights: an 8B shape takes a while to make
         state = random_state_dict(cfg.seed, hf, config.hidden_size**-0.5, device, dtype)
         executor = Executor(config, LlamaWeights.from_state_dict(state, config, dtype))
         model = f"random weights in {args.shape}'s shape"
     else:
         loaded = load_model(args.model, dtype, device)
         executor, model = loaded.executor, loaded.path.name
-    if cfg.prompt_tokens > executor.config.max_position:
+        _check_fits(cfg, executor.config)
+    emit_report(args, run_round_bench(executor, model, cfg, log), print_round)
+
+
+def _check_fits(cfg: RoundBenchConfig, config: "ModelConfig") -> None:
+    if cfg.prompt_tokens > config.max_position:
         raise InvalidRequestError(
             f"a sibling's prompt is {cfg.prompt_tokens} tokens, past the model's "
-            f"{executor.config.max_position} positions: lower --trunk-tokens, --siblings or "
+            f"{config.max_position} positions: lower --trunk-tokens, --siblings or "
             "--segment-tokens"
         )
-    emit_report(args, run_round_bench(executor, model, cfg, log), print_round)
 
 
 def register(benches: Commands) -> None:
@@ -88,6 +95,6 @@ def register(benches: Commands) -> None:
         "--shape",
         default=None,
         help="random weights in a model's shape instead of --model's: tiny, smollm2_135m or "
-        "llama3_8b (compute/tiny.py)",
+        "llama3_8b (compute/tiny.py; llama3_8b takes 16 GB in bfloat16, a GPU's job)",
     )
     add_bench_options(parser, _bench_round)
