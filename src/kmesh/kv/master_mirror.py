@@ -96,7 +96,7 @@ class Master:
             count = blocks_for(length, self.block_size)
             blocks = self.blocks[first : first + count]  # [count, 2, L, bs, H, D]
             rows = blocks.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :length]  # [2, L, n, H, D]
-            positions = torch.arange(start, start + length, device=self.blocks.device)
+            positions = start + torch.arange(length, device=rows.device)
             out.append(MasterSegment(rows[0], rows[1], positions))
         return out
 
@@ -195,16 +195,9 @@ class Mirror:
         block_table = torch.cat(tables)
         token_slots = torch.cat(slots)
         positions = start + torch.arange(token_slots.numel(), device=device)
+        no_diff = torch.zeros(0, dtype=torch.int64, device=device)
         empty = master.blocks.new_zeros((0, *master.blocks.shape[1:]))
-        return cls(
-            order,
-            start,
-            block_table,
-            token_slots,
-            positions,
-            torch.zeros(0, dtype=torch.int64, device=device),
-            empty,
-        )
+        return cls(order, start, block_table, token_slots, positions, no_diff, empty)
 
     @property
     def block_size(self) -> int:
