@@ -144,12 +144,16 @@ def recover_siblings(
         assert region.block is not None
         corrected = region.block[out.recomputed]  # units: mirror index << 32 | mirror block
         diffed = []
-        for index, (mirror, (k, v)) in enumerate(zip(mirrors, restored, strict=True)):
-            # The run's KV as the sibling now holds it: the master's, corrected where recomputed.
-            inside = (mirror.positions >= sibling.start) & (mirror.positions < sibling.end)
-            rows = mirror.positions[inside] - sibling.start
-            k[:, inside] = out.k[:, rows]
-            v[:, inside] = out.v[:, rows]
+        for index, (mirror, kept) in enumerate(zip(mirrors, restored, strict=True)):
+            # The run's KV as the sibling now holds it: the master's, corrected where recomputed
+            # (a run inside the region: those rows of the recovered region, a view).
+            inside, rows = _inside(mirror, sibling)
+            if kept is None:
+                k, v = out.k[:, rows], out.v[:, rows]
+            else:
+                k, v = kept
+                k[:, inside] = out.k[:, rows]
+                v[:, inside] = out.v[:, rows]
             blocks = torch.unique(corrected[(corrected >> 32) == index] & 0xFFFFFFFF)
             diffed.append(mirror.with_diff(master, k, v, blocks))
         results.append(SiblingResult(out, tuple(diffed), reused))
@@ -291,9 +295,10 @@ def _exact_rows(
 
 def _placed_region(
     executor: Executor, master: Master, sibling: SiblingInput
-) -> tuple[RegionInput, tuple[Mirror, ...], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The sibling's region with the master's KV placed on its round segments, its mirrors and
-    each mirror's restored KV (the whole run, also where it lies in the prefix).
+) -> tuple[RegionInput, tuple[Mirror, ...], list[tuple[torch.Tensor, torch.Tensor] | None]]:
+    """The sibling's region with the master's KV placed on its round segments, its mirrors and,
+    for a run that begins in the prefix, its restored KV (the whole run; None for a run inside
+    the region, whose rows the region holds).
 
     Units for whole-block selection: a placed token's unit is (mirror index << 32 | its mirror
     block), every other token a unit of its own (never chosen: not reusable)."""
@@ -304,14 +309,15 @@ def _placed_region(
     segment = torch.full((t,), len(sibling.spans), dtype=torch.int64, device=device)
     block = -1 - torch.arange(t, dtype=torch.int64, device=device)
     mirrors = []
-    restored = []
+    restored: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for index, (lo, order) in enumerate(_runs(sibling.spans)):
         mirror = Mirror.of(master, order, lo)
         mirror_k, mirror_v = restore(master, mirror, executor.config)
-        inside = (mirror.positions >= sibling.start) & (mirror.positions < sibling.end)
-        rows = mirror.positions[inside] - sibling.start
+        inside, rows = _inside(mirror, sibling)
         k[:, rows] = mirror_k[:, inside]
         v[:, rows] = mirror_v[:, inside]
+        # A run that begins in the prefix is kept whole for its diff; the region holds the rest.
+        kept = None if isinstance(rows, slice) else (mirror_k, mirror_v)
         reusable[rows] = True
         block[rows] = (index << 32) | mirror.block_of_token()[inside]
         segment_of = torch.repeat_interleave(
@@ -320,7 +326,7 @@ def _placed_region(
         )
         segment[rows] = segment_of[inside]
         mirrors.append(mirror)
-        restored.append((mirror_k, mirror_v))
+        restored.append(kept)
     region = RegionInput(
         sibling.token_ids,
         torch.arange(sibling.start, sibling.end, device=device),
@@ -334,6 +340,20 @@ def _placed_region(
         scratch=True,
     )
     return region, tuple(mirrors), restored
+
+
+Rows = slice | torch.Tensor
+
+
+def _inside(mirror: Mirror, sibling: SiblingInput) -> tuple[Rows, Rows]:
+    """(the run's tokens that lie in the region, their rows of the region): slices, views with
+    no copies, where the whole run does (its positions are consecutive); else a mask and
+    indices."""
+    lo, n = mirror.start, mirror.positions.numel()
+    if lo >= sibling.start and lo + n <= sibling.end:
+        return slice(None), slice(lo - sibling.start, lo - sibling.start + n)
+    inside = (mirror.positions >= sibling.start) & (mirror.positions < sibling.end)
+    return inside, mirror.positions[inside] - sibling.start
 
 
 def blank_kv(executor: Executor, n: int) -> torch.Tensor:

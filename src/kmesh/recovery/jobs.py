@@ -71,6 +71,10 @@ class RoundMirrors:
     tokens: tuple[int, ...]  # the round's segments' tokens, in canonical order
     master: Master
     mirrors: tuple[Mirror, ...]
+    # A mirror lying wholly at or after this position restores the rows the job wrote, bit for
+    # bit: its diff was taken from those rows (collective.recover_siblings). None: not known
+    # (the master sibling's keys turn by 0, which need not keep -0.0); a publisher checks.
+    gives_back_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

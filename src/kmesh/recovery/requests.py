@@ -222,7 +222,10 @@ class RequestRecovery:
             if out.recovered.fell_back:
                 outcomes[job.request_id] = RecoveredRows(report, None, None)
                 continue
-            mirrors = RoundMirrors(key, round_.master, tuple(tokens), result.master, out.mirrors)
+            exact_from = None if first else job.start
+            mirrors = RoundMirrors(
+                key, round_.master, tuple(tokens), result.master, out.mirrors, exact_from
+            )
             k, v = out.recovered.k[:, :rows], out.recovered.v[:, :rows]
             outcomes[job.request_id] = RecoveredRows(report, k, v, mirrors)
         return outcomes

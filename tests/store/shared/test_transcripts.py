@@ -2,6 +2,8 @@
 found and restored bit-identically by a later one that continues it, mirrored where mirrors give
 the rows back, cut at the first piece lost, never across tenants."""
 
+from dataclasses import replace
+
 import torch
 
 from kmesh.compute.config import ModelConfig
@@ -12,7 +14,7 @@ from kmesh.recovery.shared import Chain
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 from kmesh.store import TenantClients
-from kmesh.store.shared import group_state
+from kmesh.store.shared import group_state, transcripts
 from kmesh.store.shared.group_state import read_piece
 from kmesh.store.shared.masters import StoreMasters
 from kmesh.store.shared.transcripts import StoreTranscripts
@@ -147,6 +149,30 @@ def test_a_mirrored_piece_is_hashed_once_when_it_is_published(store, monkeypatch
     monkeypatch.setattr(group_state, "kv_digest", counted)
     StoreTranscripts(masters).publish(job, Chain(), pages, mirrors)
     assert hashed == [20, 51]  # the trunk (dense), then the member's mirrored piece: once each
+
+
+def test_mirrors_known_to_give_the_rows_back_are_published_unchecked_and_others_checked(
+    store, monkeypatch
+):
+    job = _job(["system", "persona", "a", "b", "ask2"], start=0)
+    pages, masters, mirrors = _mirrored(store, job)
+    checked: list[int] = []
+    real = group_state.gives_back
+
+    def counted(piece, master, config, k, v) -> bool:
+        checked.append(piece.start)
+        return real(piece, master, config, k, v)
+
+    monkeypatch.setattr(transcripts, "gives_back", counted)
+    known = replace(mirrors, gives_back_from=30)  # the mirror starts at 30: its diff is the rows
+    StoreTranscripts(masters).publish(job, Chain(), pages, known)
+    assert checked == []
+    got = _restore(store, _job(["system", "persona", "a", "b", "ask"], start=0))
+    assert got.k is not None and torch.equal(got.k, pages.k[:, :71])
+    # A mirror starting before gives_back_from (in rows the job did not write) is checked.
+    other = _job(["system", "persona", "a", "b", "ask2"], start=0, tenant="kmesh-approx:u")
+    StoreTranscripts(masters).publish(other, Chain(), pages, replace(mirrors, gives_back_from=31))
+    assert checked == [20]
 
 
 def test_a_corrupted_piece_cuts_the_chain_and_the_job_computes_from_there(store):

@@ -20,11 +20,12 @@ candidate ends are its own segment boundaries after the chain's end, inside its 
 Publishing (`publish`, after the job's rows are in the engine's pages): the rows from the chain's
 end to each boundary the job wrote are read back from the pages and published as one piece:
 mirrored (the job's mirrors of its round's master that lie inside it, naming the master's store
-entry: StoreMasters.key) when restoring it gives those rows back, dense otherwise. It returns
-the keys of the entries the job's next prompt reads (its chain's pieces and its round's master);
-the engine pins them for the job's family at its declared next use, if it declared one (the
-pins are the scheduler's: they end with the family). Undeclared, pieces are left to the store's
-retention as unpinned entries (LRU among them).
+entry: StoreMasters.key) when restoring it gives those rows back (known where the mirrors' diffs
+were taken from those rows: RoundMirrors.gives_back_from; checked otherwise), dense otherwise.
+It returns the keys of the entries the job's next prompt reads (its chain's pieces and its
+round's master); the engine pins them for the job's family at its declared next use, if it
+declared one (the pins are the scheduler's: they end with the family). Undeclared, pieces are
+left to the store's retention as unpinned entries (LRU among them).
 
 Pieces are served to any job under their tenant's salt, as an engine's prefix cache serves its
 pages: a job's gate judges the rows it recovers, not the rows it restores.
@@ -219,7 +220,10 @@ class StoreTranscripts:
             ]
             if inside:
                 piece = Piece.of(start, k, v, inside, master)
-                if gives_back(piece, mirrors.master, self.config, k, v):
+                exact = mirrors.gives_back_from
+                if (exact is not None and all(m.start >= exact for m in inside)) or gives_back(
+                    piece, mirrors.master, self.config, k, v
+                ):
                     return piece
                 log.info("kmesh: mirrors do not give the rows back; the piece is dense")
         return Piece.of(start, k, v)
