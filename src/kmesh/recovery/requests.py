@@ -186,8 +186,7 @@ class RequestRecovery:
         assert round_ is not None
         master = self._masters.get(key)
         shared_cost = 0.0
-        ids = jobs[0].token_ids
-        tokens = [t for span in jobs[0].round_spans() for t in ids[span.start : span.end]]
+        tokens = tuple(t for s in jobs[0].round_spans() for t in jobs[0].token_ids[s.start : s.end])
         if master is not None:
             self.ledger.touch(HeldMaster(key))
         elif self.shared_masters is not None:
@@ -222,10 +221,8 @@ class RequestRecovery:
             if out.recovered.fell_back:
                 outcomes[job.request_id] = RecoveredRows(report, None, None)
                 continue
-            exact_from = None if first else job.start
-            mirrors = RoundMirrors(
-                key, round_.master, tuple(tokens), result.master, out.mirrors, exact_from
-            )
+            known = None if first else job.start  # gives_back_from: diffed from its rows
+            mirrors = RoundMirrors(key, round_.master, tokens, result.master, out.mirrors, known)
             k, v = out.recovered.k[:, :rows], out.recovered.v[:, :rows]
             outcomes[job.request_id] = RecoveredRows(report, k, v, mirrors)
         return outcomes
@@ -247,7 +244,7 @@ class RequestRecovery:
         self._masters[key] = master
         self._hold(HeldMaster(key), master.nbytes)
 
-    def _share(self, key: RoundKey, choice: str, tokens: list[int], master: Master) -> None:
+    def _share(self, key: RoundKey, choice: str, tokens: Sequence[int], master: Master) -> None:
         if self.shared_masters is not None:
             self.shared_masters.put(key, choice, tokens, master)
 

@@ -220,8 +220,8 @@ class StoreTranscripts:
             ]
             if inside:
                 piece = Piece.of(start, k, v, inside, master)
-                exact = mirrors.gives_back_from
-                if (exact is not None and all(m.start >= exact for m in inside)) or gives_back(
+                known = mirrors.gives_back_from
+                if (known is not None and all(m.start >= known for m in inside)) or gives_back(
                     piece, mirrors.master, self.config, k, v
                 ):
                     return piece
