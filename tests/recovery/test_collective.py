@@ -7,13 +7,8 @@ import torch
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.kv.master_mirror import kv_digest, restore
 from kmesh.kv.segment_kv import SegmentKV
-from kmesh.recovery.collective import (
-    CommonContext,
-    SharedSegment,
-    SiblingInput,
-    master_in_common,
-    recover_round,
-)
+from kmesh.recovery.collective import SiblingInput, recover_round
+from kmesh.recovery.common_master import CommonContext, SharedSegment, master_in_common
 from kmesh.recovery.recover import RecoveryConfig
 from tests.conftest import random_tokens
 

@@ -59,7 +59,8 @@ from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor
 from kmesh.errors import InvalidRequestError
 from kmesh.kv.master_mirror import kv_digest, restore
-from kmesh.recovery.collective import CommonContext, master_in_common, recover_round
+from kmesh.recovery.collective import recover_round
+from kmesh.recovery.common_master import CommonContext, master_in_common
 from kmesh.recovery.recover import Recovered, RecoveryConfig, recover
 from kmesh.workloads.allgather import AgentTurn, AllGatherConfig, group_rounds, new_tokens
 

@@ -20,7 +20,8 @@ from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.index.segment_index import AUTHOR, SegmentIndex
 from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.segment_kv import SegmentKV
-from kmesh.recovery.collective import SharedSegment, SiblingInput, blank_kv
+from kmesh.recovery.collective import SiblingInput, blank_kv
+from kmesh.recovery.common_master import SharedSegment
 from kmesh.recovery.recover import Recovered, RegionInput
 from kmesh.state.keys import KeyNamespace
 from kmesh.state.segments import Segment

@@ -16,7 +16,7 @@ Where the master comes from (`MASTER_CHOICES`):
 - "common": the segments laid out in canonical order after the family's common context (its
   leading shared segments and every earlier round's master: `CommonContext`) and recovered there
   from their stored KV at the shared config (ratio 1.0: a plain prefill of the segments);
-  `master_in_common`. This costs one extra prefill of the segments per round.
+  `master_in_common` (common_master.py). This costs one extra prefill of the segments per round.
 
 Every other sibling (`recover_siblings`): its mirrors place the master's segments at its
 positions in its order (one mirror per contiguous run of round segments: one fused gather + RoPE
@@ -40,7 +40,6 @@ import torch
 
 from kmesh.compute.executor import DenseKV, Executor
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
-from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 
 MASTER_CHOICES = ("sibling", "common")
@@ -158,91 +157,6 @@ def recover_siblings(
             diffed.append(mirror.with_diff(master, k, v, blocks))
         results.append(SiblingResult(out, tuple(diffed), reused))
     return results
-
-
-@dataclass(frozen=True, slots=True)
-class SharedSegment:
-    """A round segment for the "common" choice: its tokens and its stored KV, if any."""
-
-    token_ids: torch.Tensor  # [n]
-    stored: SegmentKV  # KV at canonical positions; rows not `reusable` are ignored
-    reusable: torch.Tensor  # [n] bool
-
-
-def master_in_common(
-    executor: Executor,
-    common: "CommonContext",
-    segments: Sequence[SharedSegment],
-    cfg: RecoveryConfig,
-    block_size: int,
-) -> tuple[Master, Recovered]:
-    """The "common" choice: the segments recovered once after the common context, in canonical
-    order, at `cfg` (ratio 1.0: computed in full). Returns the master and that recovery (its cost;
-    `common.extend` takes it for the next round)."""
-    config = executor.config
-    start = common.length
-    lengths = [len(s.token_ids) for s in segments]
-    device = executor.device
-    positions = torch.arange(start, start + sum(lengths), device=device)
-    at = positions.split(lengths)
-    placed = [s.stored.placed(p, config) for s, p in zip(segments, at, strict=True)]
-    policy_cfg = cfg if cfg.ratio < 1.0 else EXACT
-    shared = recover(
-        executor,
-        [
-            RegionInput(
-                torch.cat([s.token_ids for s in segments]),
-                positions,
-                common.dense(),
-                torch.cat([k for k, _ in placed], dim=1),
-                torch.cat([v for _, v in placed], dim=1),
-                torch.cat([s.reusable for s in segments]),
-                torch.repeat_interleave(
-                    torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-                ),
-            )
-        ],
-        policy_cfg,
-    )[0]
-    master = Master.build(
-        [
-            MasterSegment(k, v, p)
-            for k, v, p in zip(
-                shared.k.split(lengths, dim=1),
-                shared.v.split(lengths, dim=1),
-                positions.split(lengths),
-                strict=True,
-            )
-        ],
-        block_size,
-        config,
-    )
-    return master, shared
-
-
-@dataclass(slots=True)
-class CommonContext:
-    """A family's common context ("common" choice): its leading shared segments, then every
-    round's master segments in canonical order, at positions 0..n-1."""
-
-    k: torch.Tensor  # [layers, n, kv_heads, head_dim]
-    v: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def dense(self) -> DenseKV:
-        return DenseKV(torch.arange(self.length, device=self.k.device), list(self.k), list(self.v))
-
-    def extend(self, shared: Recovered) -> None:
-        """Append a round's recovered segments (master_in_common's recovery)."""
-        self.k = torch.cat((self.k, shared.k), dim=1)
-        self.v = torch.cat((self.v, shared.v), dim=1)
 
 
 def _runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, tuple[int, ...]]]:
