@@ -32,7 +32,8 @@ from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.compute.tiny import SHAPES, random_state_dict
 from kmesh.compute.weights import LlamaWeights
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror
+from kmesh.kv.mirror_restore import restore
 from kmesh.recovery.collective import SiblingInput, recover_round
 from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
 

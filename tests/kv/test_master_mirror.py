@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.rope import rerotate_keys
 from kmesh.compute.tiny import TINY_HF_CONFIG
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest
+from kmesh.kv.mirror_restore import restore
 
 CONFIG = ModelConfig.from_hf(TINY_HF_CONFIG)
 LAYERS, HEADS, DIM = CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim

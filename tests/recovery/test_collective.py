@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
-from kmesh.kv.master_mirror import kv_digest, restore
+from kmesh.kv.master_mirror import kv_digest
+from kmesh.kv.mirror_restore import restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.recovery.collective import SiblingInput, recover_round
 from kmesh.recovery.common_master import CommonContext, SharedSegment, master_in_common

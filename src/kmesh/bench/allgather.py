@@ -58,7 +58,8 @@ from kmesh.bench.quality import greedy_decode
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor
 from kmesh.errors import InvalidRequestError
-from kmesh.kv.master_mirror import kv_digest, restore
+from kmesh.kv.master_mirror import kv_digest
+from kmesh.kv.mirror_restore import restore
 from kmesh.recovery.collective import recover_round
 from kmesh.recovery.common_master import CommonContext, master_in_common
 from kmesh.recovery.recover import Recovered, RecoveryConfig, recover

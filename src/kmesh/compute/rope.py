@@ -37,18 +37,34 @@ def rope_cos_sin(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` of shape [..., n, heads, head_dim] by per-token angles ([n, head_dim] cos/sin):
-    x * cos + rotate_half(x) * sin in float32, the result in x's dtype. rotate_half(x) * sin is
-    applied half by half (x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin): the same roundings
-    as forming it whole, with one result of x's size and two of half its size (plus a float32
-    copy of a narrower x) instead of five; a big temporary costs its first-touch page faults."""
+    x * cos + rotate_half(x) * sin in float32, the result in x's dtype (`turn_into`)."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _turn(x, cos[:, None, :].float(), sin[:, None, :].float(), out)
+    return out.to(x.dtype)
+
+
+def turn_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """Write `x` rotated by cos/sin (broadcast to x's shape: one [head_dim] row turns every
+    token by one angle) into `out`, which must not overlap x: computed in float32 and rounded
+    once to out's dtype, the same bits as apply_rope with those angles."""
+    if out.dtype == torch.float32:
+        _turn(x, cos.float(), sin.float(), out)
+    else:
+        out32 = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        _turn(x, cos.float(), sin.float(), out32)
+        out.copy_(out32)
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """out (float32) = x * cos + rotate_half(x) * sin, rotate_half(x) * sin applied half by half
+    (x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin): the same roundings as forming it whole,
+    with temporaries of half x's size (plus a float32 copy of a narrower x) instead of five of
+    its size; a big temporary costs its first-touch page faults."""
     half = x.shape[-1] // 2
     x32 = x.float()
-    cos = cos[:, None, :].float()
-    sin = sin[:, None, :].float()
-    out = x32 * cos
+    torch.mul(x32, cos, out=out)
     out[..., :half] -= x32[..., half:] * sin[..., :half]
     out[..., half:] += x32[..., :half] * sin[..., half:]
-    return out.to(x.dtype)
 
 
 def rerotate_keys(

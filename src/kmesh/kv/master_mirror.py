@@ -15,12 +15,10 @@ Exact mode stores every given diff block: restore returns the sibling's KV bit-i
 Tolerance mode drops a diff block whose KV lies within the tolerance of the master's (max abs
 difference) and records the largest dropped difference.
 
-`restore` is one fused pass over all blocks, tokens and layers at once: gather the sibling's master
-blocks (one index_select), rotate every gathered key from its master position to its sibling
-position (one RoPE call), overwrite the diff blocks (one index_copy), select the region's tokens
-(one index_select).
-The sibling's recovery starts from `restore` of a diff-free mirror and stores recomputed whole
-blocks as the diff, so the blocks it kept and the blocks it stored both come back bit-identical.
+Restoring a mirror (the master's rows turned to the sibling's positions, the diff over them) is
+kv/mirror_restore.py. The sibling's recovery starts from the restore of a diff-free mirror and
+stores recomputed whole blocks as the diff, so the blocks it kept and the blocks it stored both
+come back bit-identical.
 """
 
 import hashlib
@@ -300,7 +298,7 @@ class Mirror:
         return out
 
 
-def _check_fits(master: Master, mirror: Mirror, config: ModelConfig) -> None:
+def check_fits(master: Master, mirror: Mirror, config: ModelConfig) -> None:
     """Raise ValueError unless `mirror` reads `master` and `config` turns keys as it did."""
     if mirror.block_size != master.block_size:
         raise ValueError(
@@ -321,7 +319,7 @@ def _check_fits(master: Master, mirror: Mirror, config: ModelConfig) -> None:
 def _sibling_blocks(master: Master, mirror: Mirror, config: ModelConfig) -> torch.Tensor:
     """The sibling's blocks [b, 2, L, block_size, H, D] in sibling form without its diff: the
     master's, gathered and rotated to sibling positions."""
-    _check_fits(master, mirror, config)
+    check_fits(master, mirror, config)
     gathered = master.blocks.index_select(0, mirror.block_table)
     count, _, layers, bs, heads, dim = gathered.shape
     # Master position of every slot; sibling position of every token's slot (padding: no turn).
@@ -331,31 +329,6 @@ def _sibling_blocks(master: Master, mirror: Mirror, config: ModelConfig) -> torc
     keys = gathered[:, 0].transpose(1, 2).reshape(count * bs, layers, heads, dim)
     keys = _rotate(keys, stored, target, config).view(count, bs, layers, heads, dim)
     return torch.stack((keys.transpose(1, 2), gathered[:, 1]), dim=1)
-
-
-def restore(
-    master: Master, mirror: Mirror, config: ModelConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sibling's region KV (k, v), each [L, T, H, D], in sibling token order: the master's
-    rows gathered per token and turned to the sibling's positions, the diff's rows over them."""
-    _check_fits(master, mirror, config)
-    bs = master.block_size
-    sibling_block = mirror.token_slots // bs
-    within = mirror.token_slots % bs
-    table = mirror.block_table[sibling_block]  # the master block of every token
-    kv = master.blocks.permute(1, 2, 0, 3, 4, 5)  # [2, L, B, bs, H, D], a view
-    stored = master.block_positions[table] + within
-    k = rerotate_keys(kv[0][:, table, within], stored, mirror.positions, config)
-    v = kv[1][:, table, within]
-    if mirror.diff_index.numel():
-        diff_of = torch.full_like(mirror.block_table, -1, dtype=torch.int64)
-        diff_of[mirror.diff_index] = torch.arange(mirror.diff_index.numel(), device=k.device)
-        index = diff_of[sibling_block]
-        rows = (index >= 0).nonzero().flatten()
-        diff = mirror.diff_blocks.permute(1, 2, 0, 3, 4, 5)  # [2, L, d, bs, H, D]
-        k[:, rows] = diff[0][:, index[rows], within[rows]]
-        v[:, rows] = diff[1][:, index[rows], within[rows]]
-    return k, v
 
 
 def kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from kmesh.compute.executor import DenseKV, Executor
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror
+from kmesh.kv.mirror_restore import restore, restore_into
 from kmesh.recovery.recover import Recovered, RecoveryConfig, RegionInput, recover
 
 MASTER_CHOICES = ("sibling", "common")
@@ -218,7 +219,7 @@ def _placed_region(
     block), every other token a unit of its own (never chosen: not reusable)."""
     t = len(sibling.token_ids)
     device = executor.device
-    k, v = blank_kv(executor, t), blank_kv(executor, t)
+    k, v = blank_kv(executor, t, zeros=False), blank_kv(executor, t, zeros=False)
     reusable = torch.zeros(t, dtype=torch.bool, device=device)
     segment = torch.full((t,), len(sibling.spans), dtype=torch.int64, device=device)
     block = -1 - torch.arange(t, dtype=torch.int64, device=device)
@@ -226,12 +227,14 @@ def _placed_region(
     restored: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for index, (lo, order) in enumerate(_runs(sibling.spans)):
         mirror = Mirror.of(master, order, lo)
-        mirror_k, mirror_v = restore(master, mirror, executor.config)
         inside, rows = _inside(mirror, sibling)
-        k[:, rows] = mirror_k[:, inside]
-        v[:, rows] = mirror_v[:, inside]
-        # A run that begins in the prefix is kept whole for its diff; the region holds the rest.
-        kept = None if isinstance(rows, slice) else (mirror_k, mirror_v)
+        kept = None  # a run inside the region is restored into its rows
+        if isinstance(rows, slice):
+            restore_into(master, mirror, executor.config, k[:, rows], v[:, rows])
+        else:  # a run that begins in the prefix is kept whole for its diff
+            kept = restore(master, mirror, executor.config)
+            k[:, rows] = kept[0][:, inside]
+            v[:, rows] = kept[1][:, inside]
         reusable[rows] = True
         block[rows] = (index << 32) | mirror.block_of_token()[inside]
         segment_of = torch.repeat_interleave(
@@ -241,6 +244,8 @@ def _placed_region(
         segment[rows] = segment_of[inside]
         mirrors.append(mirror)
         restored.append(kept)
+    k[:, ~reusable] = 0  # the rows to compute: zeros until they are
+    v[:, ~reusable] = 0
     region = RegionInput(
         sibling.token_ids,
         torch.arange(sibling.start, sibling.end, device=device),
@@ -270,8 +275,10 @@ def _inside(mirror: Mirror, sibling: SiblingInput) -> tuple[Rows, Rows]:
     return inside, mirror.positions[inside] - sibling.start
 
 
-def blank_kv(executor: Executor, n: int) -> torch.Tensor:
-    """Zero KV [layers, n, kv_heads, head_dim] in the executor's dtype (rows to be filled)."""
+def blank_kv(executor: Executor, n: int, zeros: bool = True) -> torch.Tensor:
+    """KV [layers, n, kv_heads, head_dim] in the executor's dtype (rows to be filled): zeros, or
+    uninitialised where the caller writes every row (`zeros=False`)."""
     c = executor.config
     shape = (c.num_layers, n, c.num_kv_heads, c.head_dim)
-    return torch.zeros(shape, dtype=executor.dtype, device=executor.device)
+    make = torch.zeros if zeros else torch.empty
+    return make(shape, dtype=executor.dtype, device=executor.device)

@@ -244,7 +244,11 @@ def _context(region: RegionInput, compute: torch.Tensor) -> "_RegionContext":
     positions = region.positions[keep]
     if region.prefix is not None:
         positions = torch.cat((region.prefix.positions, positions))
-    return _RegionContext(positions, region.prefix, region.reused_k, region.reused_v, keep)
+    rows: torch.Tensor | slice = keep
+    kept = len(positions) - (0 if region.prefix is None else len(region.prefix.positions))
+    if bool(keep[:kept].all()):  # the rows computed are the region's last: a view, no gather
+        rows = slice(0, kept)
+    return _RegionContext(positions, region.prefix, region.reused_k, region.reused_v, rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +260,7 @@ class _RegionContext:
     prefix: DenseKV | None
     reused_k: torch.Tensor
     reused_v: torch.Tensor
-    keep: torch.Tensor  # [t] bool: the region rows in the context
+    keep: torch.Tensor | slice  # [t] bool, or the first rows: the region rows in the context
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.reused_k[index, self.keep], self.reused_v[index, self.keep]

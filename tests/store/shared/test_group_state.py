@@ -3,7 +3,8 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.tiny import TINY_HF_CONFIG
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror
+from kmesh.kv.mirror_restore import restore
 from kmesh.state.keys import KeyNamespace, piece_key
 from kmesh.store import EntryLost, StoreError
 from kmesh.store.shared.group_state import (

@@ -7,7 +7,8 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.tiny import TINY_HF_CONFIG
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror
+from kmesh.kv.mirror_restore import restore
 from kmesh.recovery.jobs import RoundKey
 from kmesh.store import TenantClients
 from kmesh.store.errors import StoreError

@@ -8,7 +8,8 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.tiny import TINY_HF_CONFIG
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest
+from kmesh.kv.mirror_restore import restore
 from kmesh.recovery.jobs import RecoveryJob, RoundKey, RoundMirrors
 from kmesh.recovery.shared import Chain
 from kmesh.state.request_meta import RecoverySpec

@@ -34,7 +34,8 @@ import msgspec
 import torch
 
 from kmesh.compute.config import ModelConfig
-from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest, restore
+from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest
+from kmesh.kv.mirror_restore import restore
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
