@@ -69,11 +69,11 @@ def restore_into(
         diff_of = torch.full_like(mirror.block_table, -1, dtype=torch.int64)
         diff_of[mirror.diff_index] = torch.arange(mirror.diff_index.numel(), device=k.device)
         index = diff_of[mirror.token_slots // bs]
-        rows = (index >= 0).nonzero().flatten()
-        picked, within = index[rows], mirror.token_slots[rows] % bs
+        diffed = (index >= 0).nonzero().flatten()
+        picked, slot_in_block = index[diffed], mirror.token_slots[diffed] % bs
         diff = mirror.diff_blocks.permute(1, 2, 0, 3, 4, 5)  # [2, L, d, bs, H, D]
-        k[:, rows] = diff[0][:, picked, within]
-        v[:, rows] = diff[1][:, picked, within]
+        k[:, diffed] = diff[0][:, picked, slot_in_block]
+        v[:, diffed] = diff[1][:, picked, slot_in_block]
 
 
 def _runs(slots: torch.Tensor, turn: torch.Tensor) -> list[tuple[int, int, int, int]]:
