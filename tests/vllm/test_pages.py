@@ -36,6 +36,22 @@ def test_rows_written_by_vllms_op_read_back_unchanged(dtype):
     assert not zero_k.any() and not zero_v.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consecutive_rows_read_a_page_at_a_time_are_the_rows_read_one_by_one(dtype):
+    paged = pages(dtype)
+    block_ids = [3, 1, 2]
+    positions = torch.arange(100, 330)  # from inside the first page to inside the third
+    k = torch.randn(LAYERS, len(positions), HEADS, DIM).to(dtype)
+    v = torch.randn(LAYERS, len(positions), HEADS, DIM).to(dtype)
+    paged.write(block_ids, positions, k, v, ATTENTION)
+
+    got_k, got_v = paged.read(block_ids, positions)
+    back_k, back_v = paged.read(block_ids, positions.flip(0))  # not consecutive: row by row
+
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert torch.equal(back_k.flip(1), k) and torch.equal(back_v.flip(1), v)
+
+
 def test_keys_sit_transposed_in_the_first_half_of_a_page_and_values_in_the_second():
     paged = pages()
     k = torch.randn(LAYERS, 1, HEADS, DIM)

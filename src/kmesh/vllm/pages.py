@@ -36,18 +36,47 @@ class Pages:
         self, block_ids: Sequence[int], positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, n, kv_heads, head_dim] of a request's rows at `positions` [n], in the
-        cache's dtype."""
+        cache's dtype. Consecutive positions (a prefix, a piece) are read a page at a time; any
+        others row by row."""
+        n = positions.numel()
+        if (
+            n
+            and int(positions[-1]) - int(positions[0]) == n - 1
+            and bool((positions.diff() == 1).all())
+        ):
+            return self._read_pages(block_ids, int(positions[0]), n)
         table = torch.tensor(block_ids, dtype=torch.int64)
         blocks = table[positions // self.block_size]
         offsets = positions % self.block_size
         ks, vs = [], []
         for layer in self.layers:
             key_cache, value_cache = self._split(layer)
-            n, heads, block, dim = key_cache.shape
-            keys = key_cache.view(n, heads, dim, block)  # stored transposed
+            pages, heads, block, dim = key_cache.shape
+            keys = key_cache.view(pages, heads, dim, block)  # stored transposed
             ks.append(keys[blocks, :, :, offsets])
             vs.append(value_cache[blocks, :, offsets, :])
         return torch.stack(ks), torch.stack(vs)
+
+    def _read_pages(
+        self, block_ids: Sequence[int], start: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start, start + n): the pages holding them selected whole, each turned to rows."""
+        bs = self.block_size
+        first, last = start // bs, (start + n - 1) // bs
+        table = torch.tensor(block_ids[first : last + 1], dtype=torch.int64)
+        rows = slice(start - first * bs, start - first * bs + n)
+        key_cache, _ = self._split(self.layers[0])
+        _, heads, _, dim = key_cache.shape
+        shape = (len(self.layers), n, heads, dim)
+        k = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
+        v = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
+        for index, layer in enumerate(self.layers):
+            key_cache, value_cache = self._split(layer)
+            keys = key_cache.reshape(-1, heads, dim, bs).index_select(0, table)  # [p, H, D, bs]
+            values = value_cache.index_select(0, table)  # [p, H, bs, D]
+            k[index] = keys.permute(0, 3, 1, 2).reshape(-1, heads, dim)[rows]
+            v[index] = values.permute(0, 2, 1, 3).reshape(-1, heads, dim)[rows]
+        return k, v
 
     def write(
         self,
