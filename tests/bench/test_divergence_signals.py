@@ -31,6 +31,8 @@ def test_rows_say_which_prompts_diverged_and_what_recovery_saw():
     assert [(r["round"], r["agent"], r["diverged"]) for r in rows] == [(1, 0, False), (1, 1, True)]
     assert rows[1]["margin"] == 0.0 and rows[1]["reference_margin"] > 0.2 and rows[1]["kl"] > 0
     assert rows[0]["deviation"] is None and rows[1]["deviation"] == 0.05
+    run.probes[(1, 1)] = {"attention_mass": 0.25, "probe_kl": 0.125, "probe_shift": 0.5}
+    assert signal_rows(run, reference)[1]["probe_kl"] == 0.125
 
 
 def test_the_fit_separates_low_margins_and_the_score_counts_precision_and_recall():
@@ -48,6 +50,18 @@ def test_a_deviation_above_the_threshold_predicts_divergence_and_an_unchecked_pr
     fitted = fit(rows, "deviation")
     assert 0.01 <= fitted.threshold < 0.2 and (fitted.predicted, fitted.caught) == (1, 1)
     assert fitted.recall == 0.5
+
+
+def test_the_recovery_signals_flag_above_the_threshold_and_rows_without_them_are_not_flagged():
+    rows = [
+        {"attention_mass": 0.4, "probe_kl": 0.02, "diverged": True},
+        {"attention_mass": 0.1, "probe_kl": 0.001, "diverged": False},
+        {"margin": 0.2, "deviation": None, "diverged": True},  # a JSON from before them
+    ]
+    for signal in ("attention_mass", "probe_kl"):
+        fitted = fit(rows, signal)
+        assert (fitted.predicted, fitted.caught, fitted.diverged) == (1, 1, 2)
+        assert rows[1][signal] <= fitted.threshold < rows[0][signal]
 
 
 def test_with_nothing_diverged_the_fit_predicts_nothing():

@@ -55,6 +55,7 @@ from kmesh.bench.allgather_summary import (
 from kmesh.bench.closed_loop import Loops
 from kmesh.bench.frontier import run_frontier
 from kmesh.bench.quality import greedy_decode
+from kmesh.bench.recovery_signals import prompt_signals
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor
 from kmesh.errors import InvalidRequestError
@@ -293,14 +294,11 @@ class AllGatherBench:
                 raise AssertionError("the prompt's last token must be computed")
             logits.append(self.executor.logits(rec.last_hidden[None])[0])
             run.logits[(r, a)] = logits[-1]
-            if transcript is None:
-                k, v = rec.k, rec.v
-            else:
-                k = torch.cat((transcript.k, rec.k), dim=1)
-                v = torch.cat((transcript.v, rec.v), dim=1)
-                keep = len(turn.prompt.token_ids) - len(turn.prompt.segments[-1].token_ids)
-                transcript.token_ids = turn.prompt.token_ids[:keep]
-                transcript.k, transcript.v = k[:, :keep], v[:, :keep]
+            k, v, reused = (
+                (rec.k, rec.v, rec.reused) if transcript is None else transcript.extend(turn, rec)
+            )
+            if r > 0:
+                run.probes[(r, a)] = prompt_signals(self.executor, turn, (k, v), reused, logits[-1])
             contexts.append(DenseKV(torch.arange(k.shape[1]), list(k), list(v)))
         if r > 0:
             greedy = greedy_decode(

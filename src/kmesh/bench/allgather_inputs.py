@@ -35,9 +35,26 @@ class Transcript:
     token_ids: tuple[int, ...]
     k: torch.Tensor  # [layers, p, kv_heads, head_dim]
     v: torch.Tensor
+    reused: torch.Tensor | None = None  # [p] bool: rows whose KV was reused (None: none were)
 
     def context(self) -> DenseKV:
         return DenseKV(torch.arange(len(self.token_ids)), list(self.k), list(self.v))
+
+    def extend(
+        self, turn: AgentTurn, recovered: Recovered
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The turn's whole prompt (k, v, reused rows): this transcript, then the region it
+        recovered; the transcript becomes the prompt minus its final segment (the instruction)."""
+        k = torch.cat((self.k, recovered.k), dim=1)
+        v = torch.cat((self.v, recovered.v), dim=1)
+        before = self.reused
+        if before is None:
+            before = torch.zeros(self.k.shape[1], dtype=torch.bool)
+        reused = torch.cat((before, recovered.reused))
+        keep = len(turn.prompt.token_ids) - len(turn.prompt.segments[-1].token_ids)
+        self.token_ids = turn.prompt.token_ids[:keep]
+        self.k, self.v, self.reused = k[:, :keep], v[:, :keep], reused[:keep]
+        return k, v, reused
 
 
 def region_segments(turn: AgentTurn, transcript: Transcript) -> list[Segment]:

@@ -28,6 +28,8 @@ class StrategyRun:
     # check layer (the gate's signal).
     deviations: dict[tuple[int, int], float] = field(default_factory=dict)
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Per (round, agent) of rounds >= 1: bench/recovery_signals.py's signals of its prompt.
+    probes: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
     greedy: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -94,6 +96,7 @@ def signal_rows(run: StrategyRun, reference: StrategyRun) -> list[dict[str, Any]
                 "margin": round(top1_margin(got), 6),
                 "reference_margin": round(top1_margin(want), 6),
                 "deviation": round_or_none(run.deviations.get(key), 6),
+                **{name: round(value, 6) for name, value in run.probes.get(key, {}).items()},
                 "kl": round(float(next_token_kl(want[None], got[None])[0]), 6),
                 "diverged": run.greedy[key] != reference.greedy[key],
             }

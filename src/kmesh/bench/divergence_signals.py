@@ -8,10 +8,12 @@ Per prompt of an approximate strategy (rounds >= 1, where outputs are reused), a
 - `reference_margin`: the same of full prefill's state (only a bench knows it);
 - `deviation`: the gate's mean relative key deviation at its check layer, where it checked the
   prompt's region (None elsewhere);
+- `attention_mass`, `probe_kl`, `probe_shift`: bench/recovery_signals.py's (the last token's
+  attention on reused rows; how the last position moves when the last rows are recomputed);
 - `kl`: the next-token KL(full || recovered);
 - `diverged`: the greedy continuation differs from full prefill's in any of its tokens.
 
-A threshold t on a signal predicts "diverges" for margin < t, or for deviation > t. `fit` picks,
+A threshold t on a signal predicts "diverges" for margin < t, or for any other signal > t. `fit` picks,
 on some traces, the t with the best F1 (ties: the t that flags the fewest prompts, the fewest
 sent to recompute); `score` gives its precision and recall on others. Rows are plain dicts:
 the bench's JSON carries them, and the fit runs on JSON files alone (`kmesh bench signals`).
@@ -63,16 +65,24 @@ class Score:
         }
 
 
-SIGNALS = ("margin", "deviation")
+# Each signal, and whether a value below ("below") or above the threshold flags a prompt.
+SIGNALS = {
+    "margin": "below",
+    "deviation": "above",
+    "attention_mass": "above",  # bench/recovery_signals.py
+    "probe_kl": "above",
+    "probe_shift": "above",
+}
 
 
 def flagged(row: dict[str, Any], signal: str, threshold: float) -> bool:
-    """Whether `signal` at `threshold` predicts that the row's prompt diverges: a margin below
-    it, or a deviation above it (a prompt the gate did not check has none: not flagged)."""
-    value = row[signal]
+    """Whether `signal` at `threshold` predicts that the row's prompt diverges (SIGNALS says
+    which side flags); a row without it (a prompt the gate did not check, a JSON from before
+    the signal) is not flagged."""
+    value = row.get(signal)
     if value is None:
         return False
-    return bool(value < threshold if signal == "margin" else value > threshold)
+    return bool(value < threshold if SIGNALS[signal] == "below" else value > threshold)
 
 
 def score(rows: Sequence[dict[str, Any]], threshold: float, signal: str = "margin") -> Score:
@@ -90,9 +100,9 @@ def fit(rows: Sequence[dict[str, Any]], signal: str = "margin") -> Score:
     """The threshold on `signal` with the best F1 on `rows` (module docstring); one that flags
     nothing when no row diverged. Candidates sit just past each row's value, tried from the one
     that flags the fewest prompts on."""
-    below = signal == "margin"  # flagged below the threshold, else above it
+    below = SIGNALS[signal] == "below"
     step = 1e-9 if below else -1e-9
-    values = {row[signal] + step for row in rows if row[signal] is not None}
+    values = {row[signal] + step for row in rows if row.get(signal) is not None}
     best = score(rows, 0.0 if below else float("inf"), signal)
     for threshold in sorted(values, reverse=not below):
         candidate = score(rows, threshold, signal)
@@ -138,7 +148,7 @@ def signals_report(
 def print_signals(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title="margin < threshold or deviation > threshold predicts a diverging output")
+    table = Table(title="margin < threshold, or another signal > it, predicts a diverging output")
     columns = ("signal", "strategy", "threshold", "fit P / R (prompts)", "test P / R (prompts)")
     for column in columns:
         table.add_column(column)

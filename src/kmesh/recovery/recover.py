@@ -84,6 +84,7 @@ class Recovered:
     # Final hidden state of the region's last token, if it was computed (logits of what follows).
     last_hidden: torch.Tensor | None
     recomputed: torch.Tensor  # sorted indices of the reusable tokens that were recomputed
+    reused: torch.Tensor  # [t] bool: the rows whose KV is the given one, not computed
     computed_tokens: float  # token-layers / layers
     deviation: float | None  # mean relative key deviation at the check layer, if computed
     fell_back: bool
@@ -302,4 +303,6 @@ def _assemble(
         cost += len(compute) * len(late.k) / layers
     computed_last = len(compute) > 0 and int(compute[-1]) == t - 1
     last_hidden = late.hidden[-1] if late is not None and computed_last else None
-    return Recovered(k, v, last_hidden, plan.chosen, cost, plan.mean, plan.fell_back)
+    reused = region.reusable.clone()
+    reused[compute] = False
+    return Recovered(k, v, last_hidden, plan.chosen, reused, cost, plan.mean, plan.fell_back)

@@ -14,8 +14,8 @@ engines that recover a round's siblings (masters.py::StoreMasters: a round sprea
 several engines mirrors the master the first of them built). A master entry holds its segments'
 rows packed, without the padding of their last blocks; reading it lays them out in blocks again.
 
-`restore_piece` is the fused path of kv/master_mirror.py (gather master blocks, re-rotate,
-scatter the diff) for each mirror, and the dense rows placed; it checks the rows against the
+`restore_piece` restores each mirror (kv/mirror_restore.py: master slots copied, keys turned,
+the diff over them), and the dense rows placed; it checks the rows against the
 SHA-256 the piece was published with, so what comes back is bit-identical to what was stored or
 refused (`PieceMismatch`). Entries also carry the store's CRC-32: a corrupted entry is dropped
 when read.
@@ -35,7 +35,7 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest
-from kmesh.kv.mirror_restore import restore
+from kmesh.kv.mirror_restore import restore, restore_into
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
@@ -140,18 +140,22 @@ def _rows(
     shape = (piece.dense_k.shape[0], n, *piece.dense_k.shape[2:])
     k = piece.dense_k.new_empty(shape)
     v = piece.dense_v.new_empty(shape)
-    rows = piece.dense_positions - piece.start
-    k[:, rows] = piece.dense_k
-    v[:, rows] = piece.dense_v
+    dense = piece.dense_positions - piece.start
+    k[:, dense] = piece.dense_k
+    v[:, dense] = piece.dense_v
     for mirror in piece.mirrors:
         assert master is not None
+        at = mirror.positions - piece.start
+        if at.numel() and (int(at.min()) < 0 or int(at.max()) >= n):
+            raise PieceMismatch("a mirror reaches outside the piece's rows")
         try:
-            mk, mv = restore(master, mirror, config)
+            if at.numel() and bool((at == int(at[0]) + torch.arange(at.numel())).all()):
+                rows = slice(int(at[0]), int(at[0]) + at.numel())  # restored where they lie
+                restore_into(master, mirror, config, k[:, rows], v[:, rows])
+            else:
+                k[:, at], v[:, at] = restore(master, mirror, config)
         except (ValueError, IndexError, RuntimeError) as error:
             raise PieceMismatch(f"a mirror does not fit its master: {error}") from None
-        rows = mirror.positions - piece.start
-        k[:, rows] = mk
-        v[:, rows] = mv
     return k, v
 
 
