@@ -66,13 +66,13 @@ class Pages:
         table = torch.tensor(block_ids[first : last + 1], dtype=torch.int64)
         rows = slice(start - first * bs, start - first * bs + n)
         key_cache, _ = self._split(self.layers[0])
-        _, heads, _, dim = key_cache.shape
+        pages, heads, _, dim = key_cache.shape
         shape = (len(self.layers), n, heads, dim)
         k = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
         v = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
         for index, layer in enumerate(self.layers):
             key_cache, value_cache = self._split(layer)
-            keys = key_cache.reshape(-1, heads, dim, bs).index_select(0, table)  # [p, H, D, bs]
+            keys = key_cache.view(pages, heads, dim, bs).index_select(0, table)  # [p, H, D, bs]
             values = value_cache.index_select(0, table)  # [p, H, bs, D]
             k[index] = keys.permute(0, 3, 1, 2).reshape(-1, heads, dim)[rows]
             v[index] = values.permute(0, 2, 1, 3).reshape(-1, heads, dim)[rows]
