@@ -13,10 +13,11 @@ Per prompt of an approximate strategy (rounds >= 1, where outputs are reused), a
 - `kl`: the next-token KL(full || recovered);
 - `diverged`: the greedy continuation differs from full prefill's in any of its tokens.
 
-A threshold t on a signal predicts "diverges" for margin < t, or for any other signal > t. `fit` picks,
-on some traces, the t with the best F1 (ties: the t that flags the fewest prompts, the fewest
-sent to recompute); `score` gives its precision and recall on others. Rows are plain dicts:
-the bench's JSON carries them, and the fit runs on JSON files alone (`kmesh bench signals`).
+A threshold t on a signal predicts "diverges" for margin < t, or for any other signal > t.
+`fit` picks, on some traces, the t with the best F1 (ties: the t that flags the fewest prompts,
+the fewest sent to recompute); `score` gives its precision and recall on others. Rows are plain
+dicts: the bench's JSON carries them, and the fit runs on JSON files alone (`kmesh bench
+signals`).
 """
 
 import math
