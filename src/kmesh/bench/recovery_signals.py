@@ -4,7 +4,8 @@ margin (bench/divergence_signals.py fits and scores them against diverging outpu
 - `attention_mass`: how much the prompt's last token attends to reused rows (KV taken as given,
   not computed in this context): its attention weights summed over those rows, averaged over
   heads and layers. Computed by running the last token again over the prompt's other rows,
-  with the executor's layer-input hook giving each layer's query.
+  with the executor's layer-input hook giving each layer's query, and attending (the
+  executor's kernel) to values that are 1 on the reused rows.
 - `probe`: the last rows computed both ways. The `rows` rows before the prompt's final
   segment, and that segment, are computed afresh after the rest of the recovered prompt; the
   last token's next-token distribution is compared with the recovered one: KL(probe ||
@@ -15,12 +16,11 @@ Both read the recovered KV k, v [L, n, H, D] of the whole prompt (rows at positi
 cost one forward pass of 1 and of rows + final-segment tokens.
 """
 
-import math
-
 import torch
 
 from kmesh.bench.divergence_signals import top1_margin
 from kmesh.bench.quality import next_token_kl
+from kmesh.compute.attention import attend
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.workloads.allgather import AgentTurn
 
@@ -58,18 +58,16 @@ def attention_mass(
     context = DenseKV(torch.arange(n - 1), list(k[:, : n - 1]), list(v[:, : n - 1]))
     last = SequenceInput(token_ids[n - 1 :], torch.tensor([n - 1]), context)
     executor.forward([last], on_layer_input=lambda layer, h: inputs.__setitem__(layer, h))
-    group = cfg.num_heads // cfg.num_kv_heads
+    # Attending to values that are 1 on the reused rows and 0 elsewhere gives each head's mass.
+    indicator = reused.to(k.dtype)[:, None, None].expand(n, cfg.num_kv_heads, 1)
+    position = torch.tensor([n - 1])
     masses = []
     for layer, h in inputs.items():
         q, own_k, _ = executor.weights.layers[layer].qkv(h)
-        position = torch.tensor([n - 1])
-        q = executor.rotate(q.view(1, cfg.num_heads, cfg.head_dim), position)[0]
-        own_k = executor.rotate(own_k.view(1, cfg.num_kv_heads, cfg.head_dim), position)[0]
-        keys = torch.cat((k[layer, : n - 1], own_k[None])).float()  # [n, kv_heads, D]
-        keys = keys.repeat_interleave(group, dim=1)  # each query head's kv head
-        scores = torch.einsum("hd,nhd->hn", q.float(), keys) / math.sqrt(cfg.head_dim)
-        weights = torch.softmax(scores, dim=-1)  # [heads, n]
-        masses.append(float(weights[:, reused].sum(dim=-1).mean()))
+        q = executor.rotate(q.view(1, cfg.num_heads, cfg.head_dim), position)
+        own_k = executor.rotate(own_k.view(1, cfg.num_kv_heads, cfg.head_dim), position)
+        keys = torch.cat((k[layer, : n - 1], own_k))  # [n, kv_heads, D]
+        masses.append(float(attend(q, keys, indicator, None).mean()))
     return sum(masses) / len(masses)
 
 

@@ -35,7 +35,7 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest
-from kmesh.kv.mirror_restore import restore, restore_into
+from kmesh.kv.mirror_restore import restore_into
 from kmesh.kv.segment_kv import SegmentKV
 from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError
@@ -145,15 +145,14 @@ def _rows(
     v[:, dense] = piece.dense_v
     for mirror in piece.mirrors:
         assert master is not None
-        at = mirror.positions - piece.start
-        if at.numel() and (int(at.min()) < 0 or int(at.max()) >= n):
+        count = mirror.positions.numel()
+        rows = slice(mirror.start - piece.start, mirror.start - piece.start + count)
+        if rows.start < 0 or rows.stop > n:
             raise PieceMismatch("a mirror reaches outside the piece's rows")
-        try:
-            if at.numel() and bool((at == int(at[0]) + torch.arange(at.numel())).all()):
-                rows = slice(int(at[0]), int(at[0]) + at.numel())  # restored where they lie
-                restore_into(master, mirror, config, k[:, rows], v[:, rows])
-            else:
-                k[:, at], v[:, at] = restore(master, mirror, config)
+        if not torch.equal(mirror.positions, mirror.start + torch.arange(count)):
+            raise PieceMismatch("a mirror's positions do not run on from its start")
+        try:  # restored where its rows lie
+            restore_into(master, mirror, config, k[:, rows], v[:, rows])
         except (ValueError, IndexError, RuntimeError) as error:
             raise PieceMismatch(f"a mirror does not fit its master: {error}") from None
     return k, v
