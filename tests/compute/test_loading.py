@@ -1,10 +1,13 @@
 """Finding and describing models: clear errors for what is missing or unsupported."""
 
+import json
+import shutil
+
 import pytest
 
 from kmesh.compute import embedded
 from kmesh.compute.config import ModelConfig
-from kmesh.compute.loader import resolve_model_dir
+from kmesh.compute.loader import load_tokenizer, resolve_model_dir
 from kmesh.compute.tiny import TINY_HF_CONFIG
 from kmesh.errors import ModelNotFoundError
 
@@ -48,3 +51,26 @@ def test_config_reads_grouped_query_attention_and_tied_embeddings():
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
     assert config.tie_word_embeddings
     assert config.eos_token_ids == (2,)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("declared", [None, "GPT2Tokenizer", "PreTrainedTokenizerFast"])
+def test_a_model_folders_tokenizer_is_the_one_autotokenizer_chooses(tmp_path, declared):
+    from transformers import AutoTokenizer
+
+    source = embedded.ensure_embedded_model()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, tmp_path / name)
+    if declared is not None:
+        config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        (tmp_path / "tokenizer_config.json").write_text(
+            json.dumps({**config, "tokenizer_class": declared})
+        )
+    ours, auto = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert type(ours) is type(auto)
+    chat = [{"role": "user", "content": "Hi <|im_start|> there\n\n  two  spaces"}]
+    prompt = auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == prompt
+    assert ours(prompt)["input_ids"] == auto(prompt)["input_ids"]
+    assert ours.all_special_ids == auto.all_special_ids
+    assert ours.eos_token_id == auto.eos_token_id

@@ -39,7 +39,7 @@ from kmesh.bench.agents_requests import RunNames, request_body
 from kmesh.bench.agents_summary import agents_report
 from kmesh.bench.process_tree import cpu_seconds, cpu_used
 from kmesh.bench.server_metrics import server_counters
-from kmesh.compute.loader import resolve_model_dir
+from kmesh.compute.loader import load_tokenizer, resolve_model_dir
 from kmesh.serve.process import ServerProcess, start_kmesh_serve, start_vllm_server
 from kmesh.state import chat_codec
 from kmesh.store.client import StoreClient
@@ -66,9 +66,7 @@ class Served:
 def run_agents_bench(cfg: AgentsBenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:
     """Every strategy at every agent count, `cfg.repeats` times (module docstring); the report
     as a JSON-ready dict."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
+    tokenizer = load_tokenizer(resolve_model_dir(cfg.model))
     repeats = []
     with tempfile.TemporaryDirectory(prefix="kmesh-agents-") as folder:
         for i in range(cfg.repeats):

@@ -298,7 +298,7 @@ def run_vllm_allgather_bench(
     from vllm import LLM
 
     from kmesh.compute.fingerprint import model_fingerprint
-    from kmesh.compute.loader import resolve_model_dir
+    from kmesh.compute.loader import load_tokenizer, resolve_model_dir
     from kmesh.vllm.config import (
         DEFAULT_BLOCK_SIZE,
         DEFAULT_KV_CACHE_BYTES,
@@ -332,9 +332,7 @@ def run_vllm_allgather_bench(
         )
         tokenizer = None
         if closed_loop or frontier:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = load_tokenizer(path)
         return bench.report(model_fingerprint(str(path)), sweep, tokenizer, closed_loop, frontier)
     finally:
         llm.llm_engine.engine_core.shutdown()

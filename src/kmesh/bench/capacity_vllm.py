@@ -69,13 +69,12 @@ def workload(spec: dict[str, Any], agents: int, tokenizer: Any) -> tuple[Any, An
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from kmesh.compute.loader import resolve_model_dir
+    from kmesh.compute.loader import load_tokenizer, resolve_model_dir
     from kmesh.workloads.trace import save_trace
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(spec["model"]))
+    tokenizer = load_tokenizer(resolve_model_dir(spec["model"]))
     llm = LLM(**engine_kwargs(spec), disable_log_stats=False)  # stats: first-token latencies
     answer = SamplingParams(temperature=0, max_tokens=spec["output_tokens"])
     runs = []

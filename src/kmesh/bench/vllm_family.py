@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from kmesh.bench.common import hardware
-from kmesh.compute.loader import resolve_model_dir
+from kmesh.compute.loader import load_tokenizer, resolve_model_dir
 from kmesh.errors import InvalidRequestError, KMeshError
 from kmesh.store.process import start_store
 
@@ -152,11 +152,9 @@ def _summary(config: FamilyBenchConfig, instances: list[dict], seconds: float) -
 def run_family_bench(
     config: FamilyBenchConfig, progress: Callable[[str], None] = lambda _: None
 ) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     if config.instances < 1 or config.requests < config.instances:
         raise KMeshError("need at least one instance and at least one request per instance")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
+    tokenizer = load_tokenizer(resolve_model_dir(config.model))
     prompts = family_prompts(tokenizer, config.trunk_tokens, config.requests)
     report: dict[str, Any] = {"config": asdict(config), "hardware": hardware()}
     with tempfile.TemporaryDirectory(prefix="kmesh-family-") as tmp:

@@ -15,6 +15,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+from kmesh.compute.loader import load_tokenizer
 from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
@@ -42,8 +43,6 @@ class VLLMBackend:
         recovery_bytes: int | None = None,
         kv_cache_bytes: int | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         self._engine_kwargs = vllm_engine_kwargs(
             model,
             store=store,
@@ -52,7 +51,7 @@ class VLLMBackend:
         )
         path = Path(self._engine_kwargs["model"])
         self.model_id = path.name
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
         self.max_model_len: int = self._engine_kwargs["max_model_len"]
         self._llm: Any = None
         self._load = EngineLoad(running=0, waiting=0, kv_usage=0.0, computed_tokens=0)

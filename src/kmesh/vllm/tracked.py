@@ -128,9 +128,9 @@ class RequestTracker:
 
     def _tokenizer_of_model(self) -> Any:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from kmesh.compute.loader import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model)
+            self._tokenizer = load_tokenizer(self.model)
         return self._tokenizer
 
 
