@@ -26,6 +26,7 @@ from pathlib import Path
 from kmesh.errors import InvalidRequestError, KMeshError
 from kmesh.state.tenants import ApiKeys
 from kmesh.store.framing import MAX_FRAME_BYTES, encode_frame, take_frame
+from kmesh.store.orphans import reclaim_orphans
 from kmesh.store.protocol import (
     AnyAnswer,
     Error,
@@ -35,7 +36,7 @@ from kmesh.store.protocol import (
 from kmesh.store.remote.front import Probed, RemoteFront, Resolved, Written
 from kmesh.store.remote.worker import RemoteConfig, RemoteWorker, start_worker
 from kmesh.store.state_machine import DEFAULT_LEASE_S, Outbox, Store, StoreSession
-from kmesh.store.tier import SharedMemoryTier
+from kmesh.store.tier import SHM_DIR, SharedMemoryTier
 
 _RECV_BYTES = 1 << 16
 _MAX_BUFFERED = 2 * (MAX_FRAME_BYTES + 4)  # unanswered input a connection may hold
@@ -308,14 +309,20 @@ def serve(
     if not lease > 0:  # NaN too
         raise InvalidRequestError(f"--lease must be a positive number of seconds, got {lease}")
     server = StoreServer(socket_path, capacity, lease, api_keys, retention, remote)
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        stat = os.statvfs(shm)
+    orphans, freed = reclaim_orphans(SHM_DIR)
+    if orphans:
+        print(
+            f"kmesh store: freed {orphans} shared memory segments ({freed} bytes) left in "
+            f"{SHM_DIR} by stores that died",
+            file=sys.stderr,
+        )
+    if SHM_DIR.is_dir():
+        stat = os.statvfs(SHM_DIR)
         free = stat.f_bavail * stat.f_frsize
         if capacity > free:
             print(
                 f"kmesh store: warning: capacity {capacity} bytes exceeds the {free} bytes free "
-                f"in {shm}; publishes will be refused once it is full",
+                f"in {SHM_DIR}; publishes will be refused once it is full",
                 file=sys.stderr,
             )
     previous = {

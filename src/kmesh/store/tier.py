@@ -7,9 +7,10 @@ that a leader is about to write, `commit` turns the reservation into a visible e
 finds entries and marks them recently used, `pin`/`unpin` declare (and take back) a family's future
 use of an entry, `drop` forgets one.
 
-SharedMemoryTier holds one POSIX shared memory segment per entry, named at random (a name says
-nothing about its key). Capacity counts committed and reserved payload bytes. Which entry goes
-first is kmesh/coord/future_use.py's order (`retention`: future_use, pins soft; or lru, pins
+SharedMemoryTier holds one POSIX shared memory segment per entry, named for its store's process
+and at random (a name says nothing about its key; a dead store's are freed by the next one to
+start: kmesh/store/orphans.py). Capacity counts committed and reserved payload bytes. Which entry
+goes first is kmesh/coord/future_use.py's order (`retention`: future_use, pins soft; or lru, pins
 hard). A reserve evicts in that order until the payload fits, and is refused without evicting
 anything when it could not fit even then (too large for the store, or the rest reserved, or
 pinned under lru). Segments are
@@ -41,6 +42,7 @@ from typing import Protocol
 
 from kmesh.coord.future_use import EvictionOrder
 from kmesh.errors import KMeshError
+from kmesh.store.orphans import segment_prefix
 
 EntryId = tuple[bytes, str | None]
 """(key, tenant): entries of different tenants never meet, even under the same key."""
@@ -154,7 +156,7 @@ class SharedMemoryTier:
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._prefix = f"kmesh-{secrets.token_hex(4)}-"
+        self._prefix = segment_prefix()
         self._entries: dict[EntryId, StoredEntry] = {}
         self._order = EvictionOrder[EntryId](retention)
         self._reserved: dict[str, int] = {}
