@@ -168,28 +168,12 @@ async def _run(
     kwargs = vllm_engine_kwargs(model)
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     try:
-        assert llm.tokenizer is not None
-        prompt = list(prompt_ids(cfg, len(llm.tokenizer)))
-        strategies: dict[str, Any] = {}
-        leaves: dict[str, list[list[int]]] = {}
-        before = await _settled({})
-        for strategy in STRATEGIES:
-            progress(f"running {strategy}")
-            start = time.perf_counter()
-            leaves[strategy] = await _workload(_Runner(llm, strategy, cfg), prompt)
-            seconds = time.perf_counter() - start
-            after = await _settled(before)
-            delta = {kind: int(after[kind] - before[kind]) for kind in KINDS}
-            strategies[strategy] = {
-                "computed_prompt_tokens": delta["computed"] + _inner_generated(cfg),
-                "ideal_prompt_tokens": ideal_prompt_tokens(cfg),
-                "prompt_tokens": delta["prompt"],
-                "cached_tokens": delta["reused"],
-                "seconds": round(seconds, 3),
-            }
-            before = after
+        strategies, leaves = await _measure(llm, cfg, progress)
     finally:
         llm.shutdown()
+        # A traceback vLLM keeps from a lazy import in from_engine_args holds this frame to the
+        # interpreter's exit; the engine must not be in it then (its __del__ would raise).
+        del llm
     same = [a == b for a, b in zip(leaves["kmesh"], leaves["independent"], strict=True)]
     return {
         "config": {
@@ -200,6 +184,33 @@ async def _run(
         "strategies": strategies,
         "kmesh_leaves_identical_to_independent": sum(same) / len(same),
     }
+
+
+async def _measure(
+    llm: Any, cfg: ForkBenchConfig, progress: Callable[[str], None]
+) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    """Each strategy's figures and leaves, one after another on `llm`."""
+    assert llm.tokenizer is not None
+    prompt = list(prompt_ids(cfg, len(llm.tokenizer)))
+    strategies: dict[str, Any] = {}
+    leaves: dict[str, list[list[int]]] = {}
+    before = await _settled({})
+    for strategy in STRATEGIES:
+        progress(f"running {strategy}")
+        start = time.perf_counter()
+        leaves[strategy] = await _workload(_Runner(llm, strategy, cfg), prompt)
+        seconds = time.perf_counter() - start
+        after = await _settled(before)
+        delta = {kind: int(after[kind] - before[kind]) for kind in KINDS}
+        strategies[strategy] = {
+            "computed_prompt_tokens": delta["computed"] + _inner_generated(cfg),
+            "ideal_prompt_tokens": ideal_prompt_tokens(cfg),
+            "prompt_tokens": delta["prompt"],
+            "cached_tokens": delta["reused"],
+            "seconds": round(seconds, 3),
+        }
+        before = after
+    return strategies, leaves
 
 
 def run_vllm_fork_bench(
