@@ -1,5 +1,5 @@
 """`kmesh bench agents` (src/kmesh/bench/agents.py) on the reference engine: two agents, two
-rounds, every strategy, one run shared by the module (about 40 s); the request bodies and the
+rounds, every strategy, one run shared by the module (about 30 s); the request bodies and the
 summary's rules without a server."""
 
 import pytest
