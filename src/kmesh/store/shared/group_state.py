@@ -15,9 +15,9 @@ several engines mirrors the master the first of them built). A master entry hold
 rows packed, without the padding of their last blocks; reading it lays them out in blocks again.
 
 `restore_piece` restores each mirror (kv/mirror_restore.py: master slots copied, keys turned,
-the diff over them), and the dense rows placed; it checks the rows against the
-SHA-256 the piece was published with, so what comes back is bit-identical to what was stored or
-refused (`PieceMismatch`). Entries also carry the store's CRC-32: a corrupted entry is dropped
+the diff over them), and the dense rows placed; it checks the rows against the BLAKE3 digest
+the piece was published with, so what comes back is bit-identical to what was stored or refused
+(`PieceMismatch`). Entries also carry the store's CRC-32: a corrupted entry is dropped
 when read.
 
 An entry's payload is self-describing: a little-endian u32 header length, a MessagePack header
@@ -67,7 +67,7 @@ class Piece:
     dense_positions: torch.Tensor  # [n] int64 positions in [start, end) no mirror covers
     dense_k: torch.Tensor  # [layers, n, kv_heads, head_dim]
     dense_v: torch.Tensor
-    digest: str  # SHA-256 of the whole rows k then v (kv_digest)
+    digest: str  # BLAKE3 of the whole rows k then v (kv_digest)
 
     @classmethod
     def of(
