@@ -44,6 +44,21 @@ def test_segments_of_a_live_store_another_namespace_or_another_program_are_kept(
     assert all(path.exists() for path in kept)
 
 
+def test_an_orphan_that_cannot_be_unlinked_is_passed_over(tmp_path, monkeypatch):
+    dead = f"kmesh-{_pid_namespace()}-{_dead_pid()}-0123abcd-"
+    theirs, ours = _segment(tmp_path, dead + "aa"), _segment(tmp_path, dead + "bb", 7)
+    unlink = Path.unlink
+
+    def refuse_theirs(path: Path, missing_ok: bool = False) -> None:
+        if path == theirs:  # another user's segment in a sticky /dev/shm
+            raise PermissionError(1, "Operation not permitted", str(path))
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_theirs)
+    assert reclaim_orphans(tmp_path) == (1, 7)
+    assert theirs.exists() and not ours.exists()
+
+
 def test_a_missing_folder_frees_nothing(tmp_path):
     assert reclaim_orphans(tmp_path / "none") == (0, 0)
 

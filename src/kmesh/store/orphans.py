@@ -5,7 +5,8 @@ segment is an orphan when its pid namespace is this process's and no process has
 store died without unlinking it (SIGKILL of the store's whole process group, its resource tracker
 included). Never touched: segments of a live pid (a reused pid keeps a dead store's segments
 until that process ends, which errs on the safe side), of another pid namespace (whose processes
-cannot be seen from here), and names of any other shape (other programs, older stores). A client
+cannot be seen from here), names of any other shape (other programs, older stores), and what
+this user may not unlink (another user's, in a sticky /dev/shm). A client
 that still maps an orphan keeps reading it; the memory is freed at its last close.
 """
 
@@ -51,7 +52,7 @@ def reclaim_orphans(shm_dir: Path) -> tuple[int, int]:
         try:
             freed = path.stat().st_size
             path.unlink()
-        except FileNotFoundError:  # freed by someone else meanwhile
+        except OSError:  # freed by someone else meanwhile, or another user's (sticky /dev/shm)
             continue
         count, size = count + 1, size + freed
     return count, size
