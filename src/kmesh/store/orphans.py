@@ -6,8 +6,8 @@ store died without unlinking it (SIGKILL of the store's whole process group, its
 included). Never touched: segments of a live pid (a reused pid keeps a dead store's segments
 until that process ends, which errs on the safe side), of another pid namespace (whose processes
 cannot be seen from here), names of any other shape (other programs, older stores), and what
-this user may not unlink (another user's, in a sticky /dev/shm). A client
-that still maps an orphan keeps reading it; the memory is freed at its last close.
+this user may not unlink (another user's, in a sticky /dev/shm). A client that still maps an
+orphan keeps reading it; the memory is freed at its last close.
 """
 
 import os
