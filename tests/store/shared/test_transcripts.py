@@ -170,10 +170,37 @@ def test_mirrors_known_to_give_the_rows_back_are_published_unchecked_and_others_
     assert checked == []
     got = _restore(store, _job(["system", "persona", "a", "b", "ask"], start=0))
     assert got.k is not None and torch.equal(got.k, pages.k[:, :71])
-    # A mirror starting before gives_back_from (in rows the job did not write) is checked.
+    # The master sibling's mirrors (gives_back_from None, keys turned by 0) are checked.
     other = _job(["system", "persona", "a", "b", "ask2"], start=0, tenant="kmesh-approx:u")
-    StoreTranscripts(masters).publish(other, Chain(), pages, replace(mirrors, gives_back_from=31))
+    StoreTranscripts(masters).publish(other, Chain(), pages, mirrors)
     assert checked == [20]
+
+
+def test_a_mirror_reaching_into_the_prefix_keeps_the_prefix_rows_in_its_diff(store, monkeypatch):
+    job = _job(["system", "persona", "a", "b", "ask2"], start=0)
+    pages, masters, mirrors = _mirrored(store, job)
+    # Rows 30-33 lie in the job's prefix (the engine computed them): not the master's, placed.
+    pages.k[:, 30:34] += 0.5
+    checked: list[int] = []
+    real = group_state.gives_back
+
+    def counted(piece, master, config, k, v) -> bool:
+        checked.append(piece.start)
+        return real(piece, master, config, k, v)
+
+    monkeypatch.setattr(transcripts, "gives_back", counted)
+    StoreTranscripts(masters).publish(job, Chain(), pages, replace(mirrors, gives_back_from=34))
+    assert checked == []  # known past the prefix's blocks, which join the diff
+    got = _restore(store, _job(["system", "persona", "a", "b", "ask"], start=0))
+    assert got.k is not None and torch.equal(got.k, pages.k[:, :71])
+    assert torch.equal(got.v, pages.v[:, :71])
+    with store.client(tenant=SALT) as client:
+        hit = client.acquire([got.chain.keys[1]]).hits[0]
+        with client.read(hit) as entry:
+            piece = read_piece(entry.data)
+    [mirror] = piece.mirrors  # mirrored still, the prefix's block in its diff
+    assert mirror.diff_index.tolist() == [0]
+    assert piece.dense_positions.tolist() == list(range(20, 30))
 
 
 def test_a_corrupted_piece_cuts_the_chain_and_the_job_computes_from_there(store):

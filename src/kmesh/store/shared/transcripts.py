@@ -37,6 +37,7 @@ import logging
 
 import torch
 
+from kmesh.kv.master_mirror import Master, Mirror
 from kmesh.recovery.jobs import PrefixReader, RecoveryJob, RoundMirrors
 from kmesh.recovery.prefix_tails import boundaries
 from kmesh.recovery.shared import Chain, Restored
@@ -219,11 +220,27 @@ class StoreTranscripts:
                 if m.positions.numel() and start <= m.positions.min() and m.positions.max() < end
             ]
             if inside:
-                piece = Piece.of(start, k, v, inside, master)
                 known = mirrors.gives_back_from
-                if (known is not None and all(m.start >= known for m in inside)) or gives_back(
-                    piece, mirrors.master, self.config, k, v
-                ):
+                if known is not None:
+                    inside = [_diffed_before(m, known, mirrors.master, start, k, v) for m in inside]
+                piece = Piece.of(start, k, v, inside, master)
+                if known is not None or gives_back(piece, mirrors.master, self.config, k, v):
                     return piece
                 log.info("kmesh: mirrors do not give the rows back; the piece is dense")
         return Piece.of(start, k, v)
+
+
+def _diffed_before(
+    mirror: Mirror, known: int, master: Master, start: int, k: torch.Tensor, v: torch.Tensor
+) -> Mirror:
+    """`mirror` giving back the piece's rows k, v (from `start`) bit for bit, where it gives back
+    those at or after `known` (RoundMirrors.gives_back_from): its tokens before `known` lie in
+    rows the job did not write (its prefix, which the engine computed), so the blocks holding
+    them join its diff, taken from these rows. Its other diff blocks hold the job's rows, which
+    these rows are."""
+    early = mirror.positions < known
+    if not bool(early.any()):
+        return mirror
+    blocks = torch.cat((mirror.diff_index, mirror.block_of_token()[early]))
+    rows = slice(mirror.start - start, mirror.start - start + mirror.positions.numel())
+    return mirror.with_diff(master, k[:, rows], v[:, rows], blocks)
