@@ -21,7 +21,8 @@ Publishing (`publish`, after the job's rows are in the engine's pages): the rows
 end to each boundary the job wrote are read back from the pages and published as one piece:
 mirrored (the job's mirrors of its round's master that lie inside it, naming the master's store
 entry: StoreMasters.key) when restoring it gives those rows back (known where the mirrors' diffs
-were taken from those rows: RoundMirrors.gives_back_from; checked otherwise), dense otherwise.
+were taken from those rows: RoundMirrors.gives_back_from, a mirror's blocks that reach before it,
+into the job's prefix, joining its diff; checked otherwise), dense otherwise.
 It returns the keys of the entries the job's next prompt reads (its chain's pieces and its
 round's master); the engine pins them for the job's family at its declared next use, if it
 declared one (the pins are the scheduler's: they end with the family). Undeclared, pieces are
