@@ -152,11 +152,8 @@ def test_a_mirrored_piece_is_hashed_once_when_it_is_published(store, monkeypatch
     assert hashed == [20, 51]  # the trunk (dense), then the member's mirrored piece: once each
 
 
-def test_mirrors_known_to_give_the_rows_back_are_published_unchecked_and_others_checked(
-    store, monkeypatch
-):
-    job = _job(["system", "persona", "a", "b", "ask2"], start=0)
-    pages, masters, mirrors = _mirrored(store, job)
+def _count_checks(monkeypatch) -> list[int]:
+    """The start of every piece the publisher checks with gives_back, as it checks them."""
     checked: list[int] = []
     real = group_state.gives_back
 
@@ -165,6 +162,15 @@ def test_mirrors_known_to_give_the_rows_back_are_published_unchecked_and_others_
         return real(piece, master, config, k, v)
 
     monkeypatch.setattr(transcripts, "gives_back", counted)
+    return checked
+
+
+def test_mirrors_known_to_give_the_rows_back_are_published_unchecked_and_others_checked(
+    store, monkeypatch
+):
+    job = _job(["system", "persona", "a", "b", "ask2"], start=0)
+    pages, masters, mirrors = _mirrored(store, job)
+    checked = _count_checks(monkeypatch)
     known = replace(mirrors, gives_back_from=30)  # the mirror starts at 30: its diff is the rows
     StoreTranscripts(masters).publish(job, Chain(), pages, known)
     assert checked == []
@@ -181,14 +187,7 @@ def test_a_mirror_reaching_into_the_prefix_keeps_the_prefix_rows_in_its_diff(sto
     pages, masters, mirrors = _mirrored(store, job)
     # Rows 30-33 lie in the job's prefix (the engine computed them): not the master's, placed.
     pages.k[:, 30:34] += 0.5
-    checked: list[int] = []
-    real = group_state.gives_back
-
-    def counted(piece, master, config, k, v) -> bool:
-        checked.append(piece.start)
-        return real(piece, master, config, k, v)
-
-    monkeypatch.setattr(transcripts, "gives_back", counted)
+    checked = _count_checks(monkeypatch)
     StoreTranscripts(masters).publish(job, Chain(), pages, replace(mirrors, gives_back_from=34))
     assert checked == []  # known past the prefix's blocks, which join the diff
     got = _restore(store, _job(["system", "persona", "a", "b", "ask"], start=0))
