@@ -201,6 +201,11 @@ class Mirror:
     def block_size(self) -> int:
         return self.diff_blocks.shape[3]
 
+    def rows(self, origin: int) -> slice:
+        """Its tokens' rows in KV whose first row holds position `origin` (its positions run on
+        from `start`)."""
+        return slice(self.start - origin, self.start - origin + self.positions.numel())
+
     def block_of_token(self) -> torch.Tensor:
         """[T] sibling block index of each region token."""
         return self.token_slots // self.block_size

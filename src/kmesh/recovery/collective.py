@@ -270,7 +270,7 @@ def _inside(mirror: Mirror, sibling: SiblingInput) -> tuple[Rows, Rows]:
     indices."""
     lo, n = mirror.start, mirror.positions.numel()
     if lo >= sibling.start and lo + n <= sibling.end:
-        return slice(None), slice(lo - sibling.start, lo - sibling.start + n)
+        return slice(None), mirror.rows(sibling.start)
     inside = (mirror.positions >= sibling.start) & (mirror.positions < sibling.end)
     return inside, mirror.positions[inside] - sibling.start
 

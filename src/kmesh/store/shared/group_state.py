@@ -145,10 +145,10 @@ def _rows(
     v[:, dense] = piece.dense_v
     for mirror in piece.mirrors:
         assert master is not None
-        count = mirror.positions.numel()
-        rows = slice(mirror.start - piece.start, mirror.start - piece.start + count)
+        rows = mirror.rows(piece.start)
         if rows.start < 0 or rows.stop > n:
             raise PieceMismatch("a mirror reaches outside the piece's rows")
+        count = mirror.positions.numel()
         if not torch.equal(mirror.positions, mirror.start + torch.arange(count)):
             raise PieceMismatch("a mirror's positions do not run on from its start")
         try:  # restored where its rows lie

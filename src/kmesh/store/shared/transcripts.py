@@ -243,5 +243,5 @@ def _diffed_before(
     if not bool(early.any()):
         return mirror
     blocks = torch.cat((mirror.diff_index, mirror.block_of_token()[early]))
-    rows = slice(mirror.start - start, mirror.start - start + mirror.positions.numel())
+    rows = mirror.rows(start)
     return mirror.with_diff(master, k[:, rows], v[:, rows], blocks)
