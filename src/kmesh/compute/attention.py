@@ -3,13 +3,21 @@
 `attend` is the plain path (torch's scaled_dot_product_attention). `attend_with_lse` also returns
 each query's log-sum-exp, so attention over a context split in two parts can be merged exactly:
 softmax over the union equals the two partial softmaxes reweighted by exp(lse_part - lse_union).
-That is how sequences sharing a prefix attend to it once, together (shared-prefix or "cascade"
-attention, as in Hydragen / FlashInfer), instead of each gathering its own copy.
+That is how a context every query sees in full (a prefix, or a trunk that sequences share) is
+attended without a mask and without being copied next to the new keys (shared-prefix or
+"cascade" attention, as in Hydragen / FlashInfer).
 
-Outputs are in q's dtype. Everything else (scores, softmax, the weighted sum of values, the merge)
-is computed in float32 from float32 copies of one layer's q, k and v, and rounded once, as vLLM's
-CPU attention kernel does for bfloat16 (torch's own bfloat16 kernel would round the probabilities
-to bfloat16 before the weighted sum); the log-sum-exps are float32.
+Masks: a boolean [n, m] (True = may attend), None (every key), or `causal` (n == m, query i sees
+keys 0..i: what a by-position mask is over new tokens at increasing positions; the kernel then
+skips the blocks above the diagonal, with the same result bit for bit).
+
+`attend`'s output is in q's dtype; `attend_with_lse` and `merge` give float32, for the caller to
+round once after merging. Everything (scores, softmax, the weighted sum of values, the merge) is
+computed in float32 from float32 copies of one layer's q, k and v, as vLLM's CPU attention kernel
+does for bfloat16 (torch's own bfloat16 kernel would round the probabilities to bfloat16 before
+the weighted sum). On the CPU both functions run
+torch's flash kernel (the one scaled_dot_product_attention picks there; it returns the
+log-sum-exp too); on other devices `attend_with_lse` is written out in matrix products.
 """
 
 import math
@@ -17,26 +25,52 @@ import math
 import torch
 import torch.nn.functional as F
 
+# The CPU kernel behind scaled_dot_product_attention, returning (output, logsumexp). It takes an
+# additive float mask, and kv heads fewer than query heads as they are (GQA).
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """q [n, heads, d], k/v [m, kv_heads, d], mask [n, m] (True = may attend) -> [n, heads, d]."""
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None],
-        k.float().transpose(0, 1)[None],
-        v.float().transpose(0, 1)[None],
+        *_heads_first(q, k, v),
         attn_mask=None if mask is None else mask[None, None],
+        is_causal=causal,
         enable_gqa=True,
     )
     return out[0].transpose(0, 1).to(q.dtype)
 
 
 def attend_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like `attend`, but the output in float32, plus the log-sum-exp of each query's scores,
+    [n, heads]. Every query must be allowed at least one key."""
+    if q.device.type == "cpu":
+        additive = None
+        if mask is not None:
+            additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[None, None]
+        out, lse = _FLASH_CPU(*_heads_first(q, k, v), is_causal=causal, attn_mask=additive)[:2]
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    if causal:
+        mask = torch.ones(len(q), len(k), dtype=torch.bool, device=q.device).tril()
+    return _with_lse_by_matmul(q, k, v, mask)
+
+
+def _with_lse_by_matmul(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like `attend`, plus the log-sum-exp (float32) of each query's scores, [n, heads]. Every
-    query must be allowed at least one key."""
+    """`attend_with_lse` in matrix products, for devices without the CPU kernel."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -49,14 +83,20 @@ def attend_with_lse(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.bmm(torch.exp(scores - lse[..., None]), v.float().transpose(0, 1))
     out = out.view(kv_heads, n, group, d).permute(1, 0, 2, 3).reshape(n, heads, d)
-    return out.to(q.dtype), lse.view(kv_heads, n, group).permute(1, 0, 2).reshape(n, heads)
+    return out, lse.view(kv_heads, n, group).permute(1, 0, 2).reshape(n, heads)
 
 
 def merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets, from each set's output and lse (in
-    out_a's dtype)."""
-    lse = torch.logaddexp(lse_a.float(), lse_b.float())
-    a = out_a.float() * torch.exp(lse_a - lse)[..., None]
-    return (a + out_b.float() * torch.exp(lse_b - lse)[..., None]).to(out_a.dtype)
+    """Attention over the union of two disjoint key sets, from each set's output and lse
+    (float32)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+
+
+def _heads_first(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[1, heads, n, d] float32 views (copies where the dtype differs) of [n, heads, d] tensors."""
+    return tuple(x.float().transpose(0, 1)[None] for x in (q, k, v))  # type: ignore[return-value]

@@ -19,9 +19,11 @@ weight), RoPE (compute/rope.py), attention's scores and softmax (inside torch's
 scaled_dot_product_attention; compute/attention.py). Residual adds round once, like vLLM's
 fused add. Temporaries in float32 are per layer; KV is kept in the weights' dtype.
 
-Sequences of a batch that hold the same `shared` context object (a prefix they share physically,
-e.g. a fork's trunk) attend to it once, together, and to their own `context` and new tokens
-separately; the two parts are merged exactly by log-sum-exp (see compute/attention.py).
+A sequence's `shared` context (a prefix every new token sees in full: a recovered region's exact
+prefix, a fork's trunk) is attended without a mask, once for all the sequences of a batch that
+hold the same object, and its own `context` and new tokens separately; the two parts are merged
+exactly by log-sum-exp (see compute/attention.py). New tokens at increasing positions with no
+`context` attend to each other causally (the kernel skips the blocks above the diagonal).
 
 A sequence may carry a LoRA adapter (`SequenceInput.lora`, compute/lora.py): its deltas are added
 to the attention projections of its tokens at positions >= the use's start, before RoPE; the
@@ -70,8 +72,9 @@ class SequenceInput:
     token_ids: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64
     context: ContextKV | None = None
-    # Context shared with other inputs of the batch (the same object), attended before
-    # `context`. Its positions must all be below the new tokens' positions.
+    # Context every new token attends to in full (its positions all below theirs), without a
+    # mask and without being copied next to the new keys; inputs of a batch that hold the same
+    # object (a trunk they share) attend to it together. Attended before `context`.
     shared: ContextKV | None = None
     # The adapter this sequence runs under (None: the base model).
     lora: LoraUse | None = None
@@ -134,7 +137,8 @@ class Executor:
             x = torch.cat(list(residual))
         groups = _shared_groups(batch)
         lora_rows = _lora_rows(batch, lengths)
-        # By-position causal masks over (context, new tokens), the same in every layer.
+        # By-position causal masks over (context, new tokens), the same in every layer (None:
+        # causal over the new tokens alone).
         masks = [_causal_mask(item) for item in batch]
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
         new_v: list[list[torch.Tensor]] = [[] for _ in batch]
@@ -209,7 +213,7 @@ class Executor:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         context: ContextKV | None,
         shared_part: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
@@ -218,9 +222,9 @@ class Executor:
             k = torch.cat((context_k.to(k.dtype), k))
             v = torch.cat((context_v.to(v.dtype), v))
         if shared_part is None:
-            return attend(q, k, v, mask)
-        out, lse = attend_with_lse(q, k, v, mask)
-        return merge(*shared_part, out, lse)
+            return attend(q, k, v, mask, causal=mask is None)
+        out, lse = attend_with_lse(q, k, v, mask, causal=mask is None)
+        return merge(*shared_part, out, lse).to(q.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -229,11 +233,14 @@ class Executor:
         return weight * normed.to(x.dtype)
 
 
-def _causal_mask(item: SequenceInput) -> torch.Tensor:
-    """[n, m + n]: new token i may attend to a context or new key at a position <= its own."""
+def _causal_mask(item: SequenceInput) -> torch.Tensor | None:
+    """[n, m + n]: new token i may attend to a context or new key at a position <= its own; None
+    where that is plain causality (no context, positions increasing)."""
     key_positions = item.positions
     if item.context is not None and len(item.context.positions) > 0:
         key_positions = torch.cat((item.context.positions, item.positions))
+    elif bool((item.positions[1:] > item.positions[:-1]).all()):
+        return None
     return key_positions[None, :] <= item.positions[:, None]
 
 

@@ -121,7 +121,7 @@ def recover(
     first = _run(
         executor,
         [
-            SequenceInput(r.token_ids[rows], r.positions[rows], _context(r, rows))
+            SequenceInput(r.token_ids[rows], r.positions[rows], _context(r, rows), _prefix(r))
             for r, rows in ((regions[i], rows) for i, rows in early_rows.items())
         ],
         check_range,
@@ -150,7 +150,10 @@ def recover(
         if len(compute) == 0:
             continue
         inputs[i] = SequenceInput(
-            region.token_ids[compute], region.positions[compute], _context(region, compute)
+            region.token_ids[compute],
+            region.positions[compute],
+            _context(region, compute),
+            _prefix(region),
         )
         if i in early:
             at = torch.searchsorted(early_rows[i], compute)
@@ -239,36 +242,36 @@ def _choose(
 
 
 def _context(region: RegionInput, compute: torch.Tensor) -> "_RegionContext":
-    """The prefix plus the reused KV of every region token not in `compute`."""
+    """The reused KV of every region token not in `compute` (the prefix is `_prefix`)."""
     keep = torch.ones_like(region.reusable)
     keep[compute] = False
     positions = region.positions[keep]
-    if region.prefix is not None:
-        positions = torch.cat((region.prefix.positions, positions))
     rows: torch.Tensor | slice = keep
-    kept = len(positions) - (0 if region.prefix is None else len(region.prefix.positions))
-    if bool(keep[:kept].all()):  # the rows computed are the region's last: a view, no gather
-        rows = slice(0, kept)
-    return _RegionContext(positions, region.prefix, region.reused_k, region.reused_v, rows)
+    if bool(keep[: len(positions)].all()):  # the rows computed are the region's last: a view
+        rows = slice(0, len(positions))
+    return _RegionContext(positions, region.reused_k, region.reused_v, rows)
+
+
+def _prefix(region: RegionInput) -> DenseKV | None:
+    """The region's exact prefix, which every region token sees in full: the executor attends to
+    it unmasked and uncopied (its `shared` context)."""
+    if region.prefix is None or len(region.prefix.positions) == 0:
+        return None
+    return region.prefix
 
 
 @dataclass(frozen=True, slots=True)
 class _RegionContext:
-    """A ContextKV (compute/executor.py) built per layer when the executor reads it: a pass
-    through the check layers only concatenates those."""
+    """A ContextKV (compute/executor.py) of a region's reused rows, read per layer when the
+    executor reads it: a view where they are the region's first rows."""
 
     positions: torch.Tensor
-    prefix: DenseKV | None
     reused_k: torch.Tensor
     reused_v: torch.Tensor
     keep: torch.Tensor | slice  # [t] bool, or the first rows: the region rows in the context
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.reused_k[index, self.keep], self.reused_v[index, self.keep]
-        if self.prefix is None:
-            return k, v
-        prefix_k, prefix_v = self.prefix.layer(index)
-        return torch.cat((prefix_k, k)), torch.cat((prefix_v, v))
+        return self.reused_k[index, self.keep], self.reused_v[index, self.keep]
 
 
 def _assemble(
