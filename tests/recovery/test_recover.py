@@ -127,6 +127,20 @@ def test_a_sampled_gate_checks_a_share_of_the_reused_tokens_and_still_falls_back
     torch.testing.assert_close(bad.v, v[:, PREFIX:], atol=ATOL, rtol=0)
 
 
+def test_a_sampled_gate_reads_at_most_the_cap_of_reused_tokens(tiny, monkeypatch):
+    executor, _ = tiny
+    layers = executor.config.num_layers
+    tokens = random_tokens(PREFIX + REGION, seed=4)
+    monkeypatch.setattr("kmesh.recovery.recover.GATE_SAMPLE_MAX", 4)
+    sampled = RecoveryConfig("none", 0.0, gate=0.5, gate_sample=0.25)
+    out = recover(executor, [_region(executor, tokens, "exact")], sampled)[0]
+    # 4 of the 24 reused tokens (a share of 0.25 would be 6), and the 6 new ones
+    assert out.computed_tokens == pytest.approx((4 + 6) * 2 / layers + 6 * (layers - 2) / layers)
+    every = RecoveryConfig("none", 0.0, gate=0.5, gate_sample=1.0)
+    out = recover(executor, [_region(executor, tokens, "exact")], every)[0]
+    assert out.computed_tokens == pytest.approx((24 + 6) * 2 / layers + 6 * (layers - 2) / layers)
+
+
 def test_a_sampled_gate_leaves_unchecked_reused_tokens_as_they_were(tiny):
     executor, _ = tiny
     tokens = random_tokens(PREFIX + REGION, seed=8)

@@ -17,11 +17,13 @@ The quality gate: with a threshold set, the check layer is computed for every re
 policies that do not need it) and a region whose mean relative deviation exceeds the threshold is
 recomputed in full: the safe fallback (or, with `recompute_on_gate` off, left to the caller).
 When nothing needs every token's deviation (no kv_deviation budget), the gate reads an evenly
-spaced `gate_sample` share of the reusable tokens (at least one per region): only those and the
-new tokens go through layers 0..c, attending to the prefix and the reused KV of the rest; the
-other reusable tokens keep their reused KV at every layer. The mean over the sample estimates
-the region's mean deviation. Layer 0 cannot serve as check layer: its keys depend on the token
-and position only, so re-rotated keys never deviate there.
+spaced `gate_sample` share of the reusable tokens (at least one per region, at most
+`GATE_SAMPLE_MAX` below share 1): only those and the new tokens go through layers 0..c, attending
+to the prefix and the reused KV of the rest; the other reusable tokens keep their reused KV at
+every layer. The mean over the sample estimates the region's mean deviation; its precision
+follows the sample's size, not the region's, so the cap keeps the gate's cost flat as regions
+grow (docs/COLLECTIVE.md, "The gate's sample"). Layer 0 cannot serve as check layer: its keys
+depend on the token and position only, so re-rotated keys never deviate there.
 
 Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
 layers counts 2/30.
@@ -35,6 +37,9 @@ import torch
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput, SequenceOutput
 from kmesh.recovery.policies import check_policy, needs_check_layer, select
 
+# Most reusable tokens a sampled gate reads per region (docs/COLLECTIVE.md, "The gate's sample").
+GATE_SAMPLE_MAX = 64
+
 
 @dataclass(frozen=True, slots=True)
 class RecoveryConfig:
@@ -46,7 +51,8 @@ class RecoveryConfig:
     # A gated region is recomputed here in full; without, it is left alone (fell_back, k/v not
     # filled) for the caller's own fallback (vLLM's ordinary prefill, kmesh/recovery/requests.py).
     recompute_on_gate: bool = True
-    # Share of the reusable tokens the gate checks when the policy needs no deviations (1.0: all).
+    # Share of the reusable tokens the gate checks when the policy needs no deviations (1.0: all;
+    # below 1, at most GATE_SAMPLE_MAX).
     gate_sample: float = 1.0
 
     def __post_init__(self) -> None:
@@ -188,11 +194,12 @@ def _run(
 
 def _early_rows(region: RegionInput, sample: float) -> torch.Tensor:
     """Sorted region rows computed through the check layers: every new token, and an evenly
-    spaced `sample` share of the reusable ones (all of them at 1.0; at least one)."""
+    spaced `sample` share of the reusable ones (all of them at 1.0; at least one, at most
+    GATE_SAMPLE_MAX)."""
     if sample >= 1.0:
         return torch.arange(len(region.token_ids), device=region.token_ids.device)
     reusable = torch.nonzero(region.reusable)[:, 0]
-    count = max(1, round(sample * len(reusable)))
+    count = max(1, min(GATE_SAMPLE_MAX, round(sample * len(reusable))))
     spaced = torch.linspace(0, len(reusable) - 1, count, device=reusable.device)
     picked = reusable[spaced.round().long().unique()]
     return torch.sort(torch.cat((picked, torch.nonzero(~region.reusable)[:, 0]))).values

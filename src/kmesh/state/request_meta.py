@@ -106,7 +106,7 @@ class RecoverySpec(BaseModel):
     gate: float | None = Field(default=0.1, ge=0.0)
     check_layer: int = Field(default=1, ge=1)
     # Share of the reused tokens the gate checks when the policy scores none (ratio 0, first_k,
-    # random, none): kmesh/recovery/recover.py.
+    # random, none), at most 64 per region below 1.0: kmesh/recovery/recover.py.
     gate_sample: float = Field(default=0.125, gt=0.0, le=1.0)
     round: RoundSpec | None = None
     quality: str | None = None  # "exact", "greedy" or "kl:<x>"
