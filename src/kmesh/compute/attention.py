@@ -15,9 +15,9 @@ skips the blocks above the diagonal, with the same result bit for bit).
 round once after merging. Everything (scores, softmax, the weighted sum of values, the merge) is
 computed in float32 from float32 copies of one layer's q, k and v, as vLLM's CPU attention kernel
 does for bfloat16 (torch's own bfloat16 kernel would round the probabilities to bfloat16 before
-the weighted sum). On the CPU both functions run
-torch's flash kernel (the one scaled_dot_product_attention picks there; it returns the
-log-sum-exp too); on other devices `attend_with_lse` is written out in matrix products.
+the weighted sum). On the CPU both functions run torch's flash kernel (the one
+scaled_dot_product_attention picks there; it returns the log-sum-exp too); on other devices
+`attend_with_lse` is written out in matrix products.
 """
 
 import math
