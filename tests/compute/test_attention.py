@@ -3,13 +3,25 @@ import torch
 from kmesh.compute.attention import _with_lse_by_matmul, attend, attend_with_lse, merge
 
 
-def test_split_attention_merged_by_lse_equals_attention_over_the_union():
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(5, 6, 8, generator=gen)
-    k = torch.randn(30, 2, 8, generator=gen)
-    v = torch.randn(30, 2, 8, generator=gen)
-    mask = torch.rand(5, 30, generator=gen) > 0.3
+def _qkv(
+    seed: int, n: int, m: int
+) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n queries of 6 heads, m keys and values of 2 kv heads (GQA), head dim 8."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, 6, 8, generator=gen)
+    return gen, q, torch.randn(m, 2, 8, generator=gen), torch.randn(m, 2, 8, generator=gen)
+
+
+def _random_mask(gen: torch.Generator, n: int, m: int, blocked: float) -> torch.Tensor:
+    """A random [n, m] mask that lets every query see key 0."""
+    mask = torch.rand(n, m, generator=gen) > blocked
     mask[:, 0] = True
+    return mask
+
+
+def test_split_attention_merged_by_lse_equals_attention_over_the_union():
+    gen, q, k, v = _qkv(0, 5, 30)
+    mask = _random_mask(gen, 5, 30, 0.3)
     mask[:, 12] = True
     whole = attend(q, k, v, mask)
     out_a, lse_a = attend_with_lse(q, k[:12], v[:12], mask[:, :12])
@@ -20,10 +32,7 @@ def test_split_attention_merged_by_lse_equals_attention_over_the_union():
 
 
 def test_causal_attention_equals_the_lower_triangular_mask_and_merges_after_a_prefix():
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(7, 6, 8, generator=gen)
-    k = torch.randn(10, 2, 8, generator=gen)
-    v = torch.randn(10, 2, 8, generator=gen)
+    _, q, k, v = _qkv(1, 7, 10)
     # Three prefix keys every query sees, then 7 new tokens, each seeing those up to itself.
     mask = torch.ones(7, 10, dtype=torch.bool)
     mask[:, 3:] = torch.ones(7, 7, dtype=torch.bool).tril()
@@ -36,14 +45,9 @@ def test_causal_attention_equals_the_lower_triangular_mask_and_merges_after_a_pr
 
 
 def test_the_matrix_product_path_for_other_devices_equals_the_cpu_kernel():
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(9, 6, 8, generator=gen)
-    k = torch.randn(20, 2, 8, generator=gen)
-    v = torch.randn(20, 2, 8, generator=gen)
-    mask = torch.rand(9, 20, generator=gen) > 0.4
-    mask[:, 0] = True
-    for m in (mask, None):
-        out, lse = attend_with_lse(q, k, v, m)
-        out_mm, lse_mm = _with_lse_by_matmul(q, k, v, m)
+    gen, q, k, v = _qkv(2, 9, 20)
+    for mask in (_random_mask(gen, 9, 20, 0.4), None):
+        out, lse = attend_with_lse(q, k, v, mask)
+        out_mm, lse_mm = _with_lse_by_matmul(q, k, v, mask)
         torch.testing.assert_close(out_mm, out, atol=1e-5, rtol=0)
         torch.testing.assert_close(lse_mm, lse, atol=1e-5, rtol=0)
