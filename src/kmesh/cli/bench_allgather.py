@@ -203,7 +203,7 @@ def register(benches: Commands) -> None:
         type=float,
         default=None,
         help="share of each region's reused tokens the gate checks when no policy scores them "
-        "all (collective at --agent-ratio 0; default 0.125)",
+        "all (collective at --agent-ratio 0; default 0.125; at most 64 a region below 1)",
     )
     gather.add_argument("--no-gate", action="store_true", help="no quality gate")
     gather.add_argument(
