@@ -80,6 +80,8 @@ def test_a_store_killed_with_its_resource_tracker_is_cleaned_up_by_the_next_one(
         os.kill(pid, signal.SIGKILL)
     first.process.wait()
     assert (SHM / hit.name).exists()  # nobody unlinked it
-    second = store_factory()
+    store_factory()
+    # Freed by the time the next store is up. Which store freed it is not checked: the suite's
+    # other workers start stores in this pid namespace too, and one may come first (the count
+    # each reports is checked above, on a folder of the test's own).
     assert not (SHM / hit.name).exists()
-    assert "freed 1 shared memory segments" in second.log_text()
