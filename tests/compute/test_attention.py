@@ -1,6 +1,12 @@
 import torch
 
-from kmesh.compute.attention import _with_lse_by_matmul, attend, attend_with_lse, merge
+from kmesh.compute.attention import (
+    _with_lse_by_matmul,
+    additive_mask,
+    attend,
+    attend_with_lse,
+    merge,
+)
 
 
 def _qkv(
@@ -48,6 +54,6 @@ def test_the_matrix_product_path_for_other_devices_equals_the_cpu_kernel():
     gen, q, k, v = _qkv(2, 9, 20)
     for mask in (_random_mask(gen, 9, 20, 0.4), None):
         out, lse = attend_with_lse(q, k, v, mask)
-        out_mm, lse_mm = _with_lse_by_matmul(q, k, v, mask)
+        out_mm, lse_mm = _with_lse_by_matmul(q, k, v, None if mask is None else additive_mask(mask))
         torch.testing.assert_close(out_mm, out, atol=1e-5, rtol=0)
         torch.testing.assert_close(lse_mm, lse, atol=1e-5, rtol=0)

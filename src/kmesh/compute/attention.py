@@ -55,22 +55,30 @@ def attend_with_lse(
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `attend`, but the output in float32, plus the log-sum-exp of each query's scores,
-    [n, heads]. Every query must be allowed at least one key."""
+    [n, heads]. `mask` may also be `additive_mask`'s (made once for every layer). Every query
+    must be allowed at least one key."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = additive_mask(mask)
     if q.device.type == "cpu":
-        additive = None
-        if mask is not None:
-            additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[None, None]
-        out, lse = _FLASH_CPU(*_heads_first(q, k, v), is_causal=causal, attn_mask=additive)[:2]
+        attn_mask = None if mask is None else mask[None, None]
+        out, lse = _FLASH_CPU(*_heads_first(q, k, v), is_causal=causal, attn_mask=attn_mask)[:2]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     if causal:
-        mask = torch.ones(len(q), len(k), dtype=torch.bool, device=q.device).tril()
+        mask = additive_mask(torch.ones(len(q), len(k), dtype=torch.bool, device=q.device).tril())
     return _with_lse_by_matmul(q, k, v, mask)
+
+
+def additive_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask [n, m] as the float32 one `attend_with_lse` adds to the scores (0 where
+    True, -inf where False)."""
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _with_lse_by_matmul(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_with_lse` in matrix products, for devices without the CPU kernel."""
+    """`attend_with_lse` in matrix products, for devices without the CPU kernel (`mask`
+    additive)."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -78,8 +86,9 @@ def _with_lse_by_matmul(
     qh = q.float().view(n, kv_heads, group, d).permute(1, 0, 2, 3).reshape(kv_heads, n * group, d)
     scores = torch.bmm(qh, k.float().permute(1, 2, 0)) * (1.0 / math.sqrt(d))
     if mask is not None:
-        blocked = ~mask[None, :, None, :].expand(kv_heads, n, group, mask.shape[1])
-        scores = scores.masked_fill(blocked.reshape(kv_heads, n * group, -1), float("-inf"))
+        scores = scores + mask[None, :, None, :].expand(kv_heads, n, group, mask.shape[1]).reshape(
+            kv_heads, n * group, -1
+        )
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.bmm(torch.exp(scores - lse[..., None]), v.float().transpose(0, 1))
     out = out.view(kv_heads, n, group, d).permute(1, 0, 2, 3).reshape(n, heads, d)

@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kmesh.compute.attention import attend, attend_with_lse, merge
+from kmesh.compute.attention import additive_mask, attend, attend_with_lse, merge
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.lora import LoraAdapter, LoraUse
 from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -140,6 +140,12 @@ class Executor:
         # By-position causal masks over (context, new tokens), the same in every layer (None:
         # causal over the new tokens alone).
         masks = [_causal_mask(item) for item in batch]
+        # Sequences with a shared context go through attend_with_lse: its additive masks, made
+        # once here rather than in every layer.
+        merged = {i for _, members in groups for i in members}
+        masks = [
+            additive_mask(m) if m is not None and i in merged else m for i, m in enumerate(masks)
+        ]
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
         new_v: list[list[torch.Tensor]] = [[] for _ in batch]
         for index in layers:
