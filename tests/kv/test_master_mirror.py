@@ -222,3 +222,13 @@ def test_exact_restore_is_bit_identical_for_any_layout(
 
     assert torch.equal(restored_k, new_k) and torch.equal(restored_v, new_v)
     assert mirror.nbytes == len(chosen) * block_bytes(block_size) + index_bytes(mirror)
+
+
+def test_the_digest_of_rows_is_their_contiguous_bytes_whatever_their_strides():
+    import blake3
+
+    whole = torch.randn(3, 10, 2, 4)
+    k, v = whole[:, 2:7], whole[:, 5:9] * 2  # views across layers: not contiguous
+    expected = blake3.blake3(k.contiguous().numpy().tobytes() + v.contiguous().numpy().tobytes())
+    assert not k.is_contiguous() and kv_digest(k, v) == expected.hexdigest()
+    assert kv_digest(k, v) != kv_digest(v, k)

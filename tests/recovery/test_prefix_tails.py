@@ -4,7 +4,7 @@ stand-in rows: which boundaries are kept, and when a later request may take one.
 import torch
 
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.recovery.prefix_tails import PrefixTails, boundaries
+from kmesh.recovery.prefix_tails import PrefixTails, TailPages, boundaries
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 
@@ -79,3 +79,30 @@ def test_a_tail_is_taken_only_by_the_same_tokens_in_the_same_tenant_inside_the_c
     assert tails.find(off_page) is None
     tails.discard("kmesh-approx:t", first.token_ids[:6])
     assert tails.find(job([SYSTEM, ("instruction", [7, 8])], 4)) is None
+
+
+class _Pages:
+    """Stand-in pages: row p of any request holds position p (k) and -p (v); rows a job has
+    not written yet hold garbage (1e9)."""
+
+    def __init__(self, written: int) -> None:
+        self.written = written
+
+    def read(self, block_ids, positions):
+        k = positions.float().masked_fill(positions >= self.written, 1e9)
+        k = k.view(1, -1, 1, 1).expand(2, -1, 1, 3).clone()
+        return k, -k
+
+
+def test_a_job_continued_by_a_tail_reads_its_prefix_from_the_pages_then_the_tail():
+    work = job([SYSTEM, ("private", [7, 8, 9]), ("instruction", [12, 13])], 4)
+    tail = rows(job([SYSTEM, ("private", [7, 8, 9])], 4, end=6))  # rows 4, 5
+    read = TailPages(_Pages(written=4))
+    read.add(work, (tail[0] + 0.5, tail[1] - 0.5))  # tail rows told apart from page rows
+    for positions in (torch.arange(6), torch.tensor([0, 2, 5])):
+        k, v = read.read(work.block_ids, positions)
+        expected = positions.float() + (positions >= 4) * 0.5
+        assert torch.equal(k[1, :, 0, 2], expected)
+        assert torch.equal(v, -k)
+    k, _ = read.read(work.block_ids, torch.arange(3))  # no tail row asked for
+    assert torch.equal(k[0, :, 0, 0], torch.tensor([0.0, 1.0, 2.0]))

@@ -17,7 +17,7 @@ What a step restored is filed by request id in a dict the caller keeps for the s
 the chain to publish after, its rows, the bytes read).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -96,12 +96,14 @@ class Continuations:
         write: Writer,
         restored: dict[str, Restored],
     ) -> RecoveredRows:
-        """Hand the outcome to the engine, then publish the job's transcript from its pages;
-        the outcome with the keys of its transcript's entries."""
+        """Hand the outcome to the engine, then publish the job's transcript (the rows it
+        wrote read from the outcome, any before them from its pages); the outcome with the keys
+        of its transcript's entries."""
         write(job, outcome)
         got = restored.get(job.request_id)
         if self.transcripts is not None and got is not None and outcome.k is not None:
-            keys = self.transcripts.publish(job, got.chain, pages, outcome.mirrors)
+            written = _Written(pages, job, outcome)
+            keys = self.transcripts.publish(job, got.chain, written, outcome.mirrors)
             return replace(outcome, transcript=keys)
         return outcome
 
@@ -109,3 +111,28 @@ class Continuations:
         """Forget a tail the ledger dropped."""
         if self.tails is not None:
             self.tails.discard(held.tenant, held.prefix)
+
+
+class _Written:
+    """A job's pages after `write`: the rows it wrote served from its outcome (views: the same
+    bits, since the engine's cache holds the executor's dtype), any other from the pages."""
+
+    def __init__(self, pages: PrefixReader, job: RecoveryJob, outcome: RecoveredRows) -> None:
+        self.pages, self.job, self.outcome = pages, job, outcome
+
+    def read(
+        self, block_ids: Sequence[int], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        job, k, v = self.job, self.outcome.k, self.outcome.v
+        n = positions.numel()
+        lo = int(positions[0]) if n else job.start
+        if (
+            k is None
+            or v is None
+            or list(block_ids) != list(job.block_ids)
+            or not job.start <= lo <= lo + n <= job.end
+            or not bool((positions == torch.arange(lo, lo + n)).all())
+        ):
+            return self.pages.read(block_ids, positions)
+        rows = slice(lo - job.start, lo - job.start + n)
+        return k[:, rows], v[:, rows]

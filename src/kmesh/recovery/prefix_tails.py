@@ -107,11 +107,13 @@ class TailPages:
         if held is None:
             return self.pages.read(block_ids, positions)
         start, (k, v) = held
-        paged = positions < start
-        out_k = torch.empty((k.shape[0], len(positions), *k.shape[2:]), dtype=k.dtype)
-        out_v = torch.empty_like(out_k)
-        if bool(paged.any()):
-            out_k[:, paged], out_v[:, paged] = self.pages.read(block_ids, positions[paged])
-        kept = positions[~paged] - start
-        out_k[:, ~paged], out_v[:, ~paged] = k[:, kept], v[:, kept]
+        kept = (positions >= start).nonzero().flatten()
+        if len(kept) == 0:
+            return self.pages.read(block_ids, positions)
+        # The tail's rows lie in the request's own pages (not written yet): read every row from
+        # the pages (a page at a time where the positions are consecutive), then the tail's over
+        # theirs.
+        out_k, out_v = self.pages.read(block_ids, positions)
+        out_k[:, kept] = k[:, positions[kept] - start]
+        out_v[:, kept] = v[:, positions[kept] - start]
         return out_k, out_v

@@ -60,23 +60,23 @@ class Pages:
     def _read_pages(
         self, block_ids: Sequence[int], start: int, n: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [start, start + n): the pages holding them selected whole, each turned to rows."""
+        """Rows [start, start + n): the pages holding them gathered whole, turned to rows on the
+        way (one pass per layer), the rows asked for returned as views of them."""
         bs = self.block_size
         first, last = start // bs, (start + n - 1) // bs
         table = torch.tensor(block_ids[first : last + 1], dtype=torch.int64)
         rows = slice(start - first * bs, start - first * bs + n)
         key_cache, _ = self._split(self.layers[0])
         pages, heads, _, dim = key_cache.shape
-        shape = (len(self.layers), n, heads, dim)
+        shape = (len(self.layers), len(table), bs, heads, dim)
         k = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
         v = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
         for index, layer in enumerate(self.layers):
             key_cache, value_cache = self._split(layer)
-            keys = key_cache.view(pages, heads, dim, bs).index_select(0, table)  # [p, H, D, bs]
-            values = value_cache.index_select(0, table)  # [p, H, bs, D]
-            k[index] = keys.permute(0, 3, 1, 2).reshape(-1, heads, dim)[rows]
-            v[index] = values.permute(0, 2, 1, 3).reshape(-1, heads, dim)[rows]
-        return k, v
+            keys = key_cache.view(pages, heads, dim, bs).permute(0, 3, 1, 2)  # stored transposed
+            torch.index_select(keys, 0, table, out=k[index])
+            torch.index_select(value_cache.permute(0, 2, 1, 3), 0, table, out=v[index])
+        return k.flatten(1, 2)[:, rows], v.flatten(1, 2)[:, rows]
 
     def write(
         self,

@@ -10,8 +10,10 @@ from kmesh.compute.config import ModelConfig
 from kmesh.compute.tiny import TINY_HF_CONFIG
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror, kv_digest
 from kmesh.kv.mirror_restore import restore
-from kmesh.recovery.jobs import RecoveryJob, RoundKey, RoundMirrors
-from kmesh.recovery.shared import Chain
+from kmesh.recovery.continuations import Continuations
+from kmesh.recovery.jobs import RecoveredRows, RecoveryJob, RecoveryReport, RoundKey, RoundMirrors
+from kmesh.recovery.ledger import Ledger
+from kmesh.recovery.shared import Chain, Restored
 from kmesh.state.request_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 from kmesh.store import TenantClients
@@ -221,3 +223,28 @@ def test_a_transcript_is_never_found_under_another_tenant(store):
     for tenant in (None, "kmesh-approx:other"):
         got = _restore(store, _job(["system", "persona", "a", "ask"], 0, tenant))
         assert got.chain == Chain() and got.k is None
+
+
+def test_a_job_publishes_the_rows_it_wrote_from_its_outcome_and_its_prefix_from_its_pages(store):
+    """Continuations.write publishes right after handing the rows to the engine: the rows it
+    wrote come from the outcome (the same bits), not read back; the prefix from the pages."""
+    first = _job(["system", "persona", "a", "ask"], start=20)
+    pages = _Pages(len(first.token_ids), seed=7)
+    pages.k[:, 20:] = float("nan")  # what a read of the written rows would publish
+    gen = torch.Generator().manual_seed(8)
+    n = first.end - first.start
+    k = torch.randn(LAYERS, n, HEADS, DIM, generator=gen)
+    v = torch.randn(LAYERS, n, HEADS, DIM, generator=gen)
+    report = RecoveryReport(0.0, 0.0, 0, 0, 0, None, False)
+    steps = Continuations(Ledger(1 << 20), lambda key, nbytes: None, None)
+    steps.transcripts = _transcripts(store)
+    written = []
+    restored = {first.request_id: Restored(Chain(), None, None)}
+    out = steps.write(
+        first, RecoveredRows(report, k, v), pages, lambda *a: written.append(a), restored
+    )
+    assert len(written) == 1 and out.transcript
+    got = _restore(store, _job(["system", "persona", "a", "b", "ask2"], start=0))
+    assert got.chain.ends == (20, 54) and got.k is not None and got.v is not None
+    assert torch.equal(got.k[:, :20], pages.k[:, :20]) and torch.equal(got.v[:, 20:], v[:, :34])
+    assert torch.equal(got.k[:, 20:], k[:, :34])
