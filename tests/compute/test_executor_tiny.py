@@ -127,6 +127,21 @@ def test_sequences_sharing_a_prefix_attend_to_it_once_with_the_same_result(tiny)
         torch.testing.assert_close(executor.logits(out.hidden), reference[40:], atol=ATOL, rtol=0)
 
 
+def test_a_shared_prefix_with_an_own_context_around_the_new_tokens_equals_full(tiny):
+    """The own context before every new token is attended apart (no mask); one that lies
+    between new tokens is masked by position: both equal the full computation."""
+    executor, _ = tiny
+    tokens = random_tokens(40, seed=12)
+    reference, logits = full(executor, tokens)
+    shared = DenseKV(torch.arange(32), [k[:32] for k in reference.k], [v[:32] for v in reference.v])
+    for new in (torch.tensor([37, 38, 39]), torch.tensor([32, 35, 39])):
+        kept = torch.tensor([p for p in range(32, 40) if p not in new.tolist()])
+        own = DenseKV(kept, [k[kept] for k in reference.k], [v[kept] for v in reference.v])
+        item = SequenceInput(torch.tensor(tokens)[new], new, own, shared)
+        [out] = executor.forward([item])
+        torch.testing.assert_close(executor.logits(out.hidden), logits[new], atol=ATOL, rtol=0)
+
+
 def test_a_shared_context_after_the_new_tokens_is_refused(tiny):
     executor, _ = tiny
     prefix = full(executor, random_tokens(8, seed=1))[0]

@@ -21,8 +21,10 @@ fused add. Temporaries in float32 are per layer; KV is kept in the weights' dtyp
 
 A sequence's `shared` context (a prefix every new token sees in full: a recovered region's exact
 prefix, a fork's trunk) is attended without a mask, once for all the sequences of a batch that
-hold the same object, and its own `context` and new tokens separately; the two parts are merged
-exactly by log-sum-exp (see compute/attention.py). New tokens at increasing positions with no
+hold the same object, and its own `context` and new tokens separately; the parts are merged
+exactly by log-sum-exp (see compute/attention.py). Such a sequence's `context`, where it all
+precedes the new tokens (a region's reused rows before its last tokens), is attended apart too,
+without a mask and without a copy next to the new keys. New tokens at increasing positions with no
 `context` attend to each other causally (the kernel skips the blocks above the diagonal).
 
 A sequence may carry a LoRA adapter (`SequenceInput.lora`, compute/lora.py): its deltas are added
@@ -137,12 +139,15 @@ class Executor:
             x = torch.cat(list(residual))
         groups = _shared_groups(batch)
         lora_rows = _lora_rows(batch, lengths)
-        # By-position causal masks over (context, new tokens), the same in every layer (None:
-        # causal over the new tokens alone).
-        masks = [_causal_mask(item) for item in batch]
-        # Sequences with a shared context go through attend_with_lse: its additive masks, made
-        # once here rather than in every layer.
+        # Sequences with a shared context go through attend_with_lse and a merge; of those, the
+        # ones whose whole `context` precedes their new tokens attend to it apart too (unmasked,
+        # uncopied: `_attend`).
         merged = {i for _, members in groups for i in members}
+        apart = {i for i in merged if _context_precedes(batch[i])}
+        # By-position causal masks over (context, new tokens), the same in every layer (None:
+        # causal over the new tokens alone); attend_with_lse's additive ones made once here
+        # rather than in every layer.
+        masks = [_causal_mask(item, i in apart) for i, item in enumerate(batch)]
         masks = [
             additive_mask(m) if m is not None and i in merged else m for i, m in enumerate(masks)
         ]
@@ -171,7 +176,14 @@ class Executor:
                 new_v[seq].append(v_s)
                 outputs.append(
                     self._attend(
-                        index, q_s, k_s, v_s, masks[seq], batch[seq].context, shared_parts.get(seq)
+                        index,
+                        q_s,
+                        k_s,
+                        v_s,
+                        masks[seq],
+                        batch[seq].context,
+                        shared_parts.get(seq),
+                        seq in apart,
                     )
                 )
             attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
@@ -222,15 +234,23 @@ class Executor:
         mask: torch.Tensor | None,
         context: ContextKV | None,
         shared_part: tuple[torch.Tensor, torch.Tensor] | None,
+        context_apart: bool = False,
     ) -> torch.Tensor:
+        """New tokens' attention: to the shared context (its part given), the sequence's own
+        context, then each other. A context apart (all before the new tokens, the sequence
+        merged anyway) is attended on its own and merged, not copied next to the new keys."""
         if context is not None and len(context.positions) > 0:
             context_k, context_v = context.layer(layer_index)
-            k = torch.cat((context_k.to(k.dtype), k))
-            v = torch.cat((context_v.to(v.dtype), v))
+            if context_apart:
+                part = attend_with_lse(q, context_k.to(q.dtype), context_v.to(q.dtype), None)
+                shared_part = part if shared_part is None else merge(*shared_part, *part)
+            else:
+                k = torch.cat((context_k.to(k.dtype), k))
+                v = torch.cat((context_v.to(v.dtype), v))
         if shared_part is None:
             return attend(q, k, v, mask, causal=mask is None)
         out, lse = attend_with_lse(q, k, v, mask, causal=mask is None)
-        return merge(*shared_part, out, lse).to(q.dtype)
+        return merge(*shared_part, out, lse)[0].to(q.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -239,11 +259,22 @@ class Executor:
         return weight * normed.to(x.dtype)
 
 
-def _causal_mask(item: SequenceInput) -> torch.Tensor | None:
-    """[n, m + n]: new token i may attend to a context or new key at a position <= its own; None
-    where that is plain causality (no context, positions increasing)."""
+def _context_precedes(item: SequenceInput) -> bool:
+    """Whether the item has a context and every one of its keys precedes every new token."""
+    context = item.context
+    return (
+        context is not None
+        and len(context.positions) > 0
+        and bool(context.positions.max() < item.positions.min())
+    )
+
+
+def _causal_mask(item: SequenceInput, context_apart: bool = False) -> torch.Tensor | None:
+    """[n, m + n]: new token i may attend to a context or new key at a position <= its own
+    ([n, n] over the new tokens alone where the context is attended apart); None where that is
+    plain causality (no context, positions increasing)."""
     key_positions = item.positions
-    if item.context is not None and len(item.context.positions) > 0:
+    if item.context is not None and len(item.context.positions) > 0 and not context_apart:
         key_positions = torch.cat((item.context.positions, item.positions))
     elif bool((item.positions[1:] > item.positions[:-1]).all()):
         return None
