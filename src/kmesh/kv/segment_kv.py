@@ -27,14 +27,15 @@ class SegmentKV:
     def canonical(
         cls, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, config: ModelConfig
     ) -> "SegmentKV":
-        """From KV computed at `positions` [n]."""
+        """From KV computed at `positions` [n] (its own copy of them: k and v may be views of a
+        bigger tensor, which it then does not keep)."""
         if k.shape != v.shape or k.shape[1] != len(positions):
             raise ValueError(
                 f"segment KV shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                 f"{len(positions)} positions"
             )
         canonical = torch.arange(len(positions), device=k.device)
-        return cls(rerotate_keys(k, positions, canonical, config), v)
+        return cls(rerotate_keys(k, positions, canonical, config), v.contiguous())
 
     def placed(
         self, positions: torch.Tensor, config: ModelConfig

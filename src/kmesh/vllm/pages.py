@@ -36,8 +36,8 @@ class Pages:
         self, block_ids: Sequence[int], positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, n, kv_heads, head_dim] of a request's rows at `positions` [n], in the
-        cache's dtype. Consecutive positions (a prefix, a piece) are read a page at a time; any
-        others row by row."""
+        cache's dtype. Consecutive positions (a prefix, a piece) are read a page at a time (the
+        rows then views of the pages read: copy what is kept); any others row by row."""
         n = positions.numel()
         if (
             n

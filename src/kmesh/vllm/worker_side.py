@@ -119,8 +119,8 @@ class WorkerSide:
             if self._pages is None or not self._load_errors.isdisjoint(written):
                 continue
             try:
-                positions = torch.arange(keep.start, keep.end)
-                self._tails[keep.tail_id] = self._pages.read(keep.block_ids, positions)
+                k, v = self._pages.read(keep.block_ids, torch.arange(keep.start, keep.end))
+                self._tails[keep.tail_id] = (k.contiguous(), v.contiguous())  # not the pages read
             except Exception as error:  # a kept tail is an optimisation: never fatal
                 log.warning("kmesh: page tail %d not kept: %s", keep.tail_id, error)
 
