@@ -1,3 +1,4 @@
+import blake3
 import pytest
 import torch
 from hypothesis import given, settings
@@ -225,8 +226,6 @@ def test_exact_restore_is_bit_identical_for_any_layout(
 
 
 def test_the_digest_of_rows_is_their_contiguous_bytes_whatever_their_strides():
-    import blake3
-
     whole = torch.randn(3, 10, 2, 4)
     k, v = whole[:, 2:7], whole[:, 5:9] * 2  # views across layers: not contiguous
     expected = blake3.blake3(k.contiguous().numpy().tobytes() + v.contiguous().numpy().tobytes())

@@ -28,7 +28,7 @@ WORKER = "kmesh.vllm.worker.KMeshWorker"
 # a tensor). The heap grows to the worker's peak once and is reused after; it is not returned
 # to the system below that peak while the server runs.
 # Measured on the agents bench's round (16 siblings, 15 mirrored), with the threshold at 32 MiB:
-# 6.6 s -> 4.2 s; no mmap at all (32 agents, round 3's siblings, docs/AGENTS.md): 13.3 -> 8.2 s.
+# 6.6 s -> 4.2 s; no mmap at all (32 agents, round 2's siblings, docs/AGENTS.md): 13.1 -> 8.2 s.
 # Vanilla vLLM's servers in the benches get the same (kmesh/serve/process.py).
 ALLOCATOR_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
