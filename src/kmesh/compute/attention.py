@@ -81,13 +81,32 @@ def _by_kv_head(
     its query rows: one head of the kernel per kv head, which then reads each kv head's keys once
     rather than once per query head. The same sums as the GQA call; the kernel's tiling of more
     query rows rounds differently (1.4e-7 to 1.9e-7 at 1-66 queries here)."""
-    n, heads, d = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    rows = q.float().view(n, kv_heads, group, d).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, d)
+    rows = _fold_heads(q, k.shape[1])[None]
     out, lse = _FLASH_CPU(rows, *(x.float().transpose(0, 1)[None] for x in (k, v)))[:2]
-    out = out[0].view(kv_heads, n, group, d).permute(1, 0, 2, 3).reshape(n, heads, d)
-    return out, lse[0].view(kv_heads, n, group).permute(1, 0, 2).reshape(n, heads)
+    return _unfold_heads(out[0], lse[0], len(q))
+
+
+def _fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [n, heads, d] as float32 [kv_heads, n * group, d]: query head h reads kv head
+    h // group, so each kv head's queries become the rows of one matrix."""
+    n, heads, d = q.shape
+    return (
+        q.float()
+        .view(n, kv_heads, heads // kv_heads, d)
+        .permute(1, 0, 2, 3)
+        .reshape(kv_heads, -1, d)
+    )
+
+
+def _unfold_heads(
+    out: torch.Tensor, lse: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_fold_heads`'s rows back: out [kv_heads, n * group, d] -> [n, heads, d], lse
+    [kv_heads, n * group] -> [n, heads]."""
+    kv_heads, rows, d = out.shape
+    group = rows // n
+    out = out.view(kv_heads, n, group, d).permute(1, 0, 2, 3).reshape(n, kv_heads * group, d)
+    return out, lse.view(kv_heads, n, group).permute(1, 0, 2).reshape(n, kv_heads * group)
 
 
 def additive_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -103,18 +122,15 @@ def _with_lse_by_matmul(
     additive)."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    group = heads // kv_heads
-    # Query head h reads kv head h // group: gather each kv head's queries into one matrix.
-    qh = q.float().view(n, kv_heads, group, d).permute(1, 0, 2, 3).reshape(kv_heads, n * group, d)
+    qh = _fold_heads(q, kv_heads)
     scores = torch.bmm(qh, k.float().permute(1, 2, 0)) * (1.0 / math.sqrt(d))
     if mask is not None:
-        scores = scores + mask[None, :, None, :].expand(kv_heads, n, group, mask.shape[1]).reshape(
-            kv_heads, n * group, -1
-        )
+        scores = scores + mask[None, :, None, :].expand(
+            kv_heads, n, heads // kv_heads, mask.shape[1]
+        ).reshape(kv_heads, qh.shape[1], -1)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.bmm(torch.exp(scores - lse[..., None]), v.float().transpose(0, 1))
-    out = out.view(kv_heads, n, group, d).permute(1, 0, 2, 3).reshape(n, heads, d)
-    return out, lse.view(kv_heads, n, group).permute(1, 0, 2).reshape(n, heads)
+    return _unfold_heads(out, lse, n)
 
 
 def merge(
