@@ -36,13 +36,18 @@ class StopFilter:
             return "" if self.stopped else text
         self._pending += text
         cut = first_stop(self._pending, self.stops)
-        if cut is not None:
+        # The earliest position where a stop string may be starting without being complete yet:
+        # a complete one after it does not end the text until that one is decided.
+        ready = len(self._pending) - held_back(self._pending, self.stops)
+        if cut is not None and cut <= ready:
             sent, self._pending, self.stopped = self._pending[:cut], "", True
             return sent
-        ready = len(self._pending) - held_back(self._pending, self.stops)
         sent, self._pending = self._pending[:ready], self._pending[ready:]
         return sent
 
     def flush(self) -> str:
-        sent, self._pending = self._pending, ""
+        """The rest at the end of the text: up to the first stop string it holds."""
+        cut = first_stop(self._pending, self.stops) if self.stops else None
+        sent = self._pending if cut is None else self._pending[:cut]
+        self._pending, self.stopped = "", self.stopped or cut is not None
         return sent
