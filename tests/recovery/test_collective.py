@@ -151,6 +151,22 @@ def test_a_region_starting_inside_a_round_segment_reads_the_rest_from_the_prefix
     assert out.siblings[0].recovered.k.shape[1] == len(second.token_ids)
 
 
+def test_a_corrected_sibling_whose_region_starts_inside_a_segment_restores_its_rows(tiny):
+    executor, _ = tiny
+    _, result = _run(executor, "none", 0.0)
+    into = 5  # its region starts 5 tokens into its first segment: that run is placed whole
+    second = _sibling(executor, 1, region_start=len(COMMON) + len(SIBLINGS[1][0]) + into)
+    cfg = RecoveryConfig("kv_deviation", 0.5)
+    out = recover_round(executor, [second], cfg, BLOCK, result.master).siblings[0]
+    assert len(out.recovered.recomputed) > 0
+    (mirror,) = out.mirrors
+    assert len(mirror.diff_index) > 0
+    k, v = restore(result.master, mirror, executor.config)
+    span = sum(LENGTHS) - into  # the run's rows in the region, then the computed tail
+    assert torch.equal(k[:, into:], out.recovered.k[:, :span])
+    assert torch.equal(v[:, into:], out.recovered.v[:, :span])
+
+
 def test_the_master_sibling_must_hold_every_round_segment(tiny):
     executor, _ = tiny
     sibling = _sibling(executor, 0)

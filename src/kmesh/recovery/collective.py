@@ -134,9 +134,10 @@ def recover_siblings(
 ) -> list[SiblingResult]:
     """Mirror the master into each sibling's region and correct it by `cfg` (one batch)."""
     placed = [_placed_region(executor, master, s) for s in siblings]
-    recovered = recover(executor, [region for region, _, _ in placed], cfg) if placed else []
+    recovered = recover(executor, [p.region for p in placed], cfg) if placed else []
     results = []
-    for sibling, (region, mirrors, restored), out in zip(siblings, placed, recovered, strict=True):
+    for sibling, p, out in zip(siblings, placed, recovered, strict=True):
+        region, mirrors = p.region, p.mirrors
         reused = int(region.reusable.sum()) - len(out.recomputed)
         if out.fell_back and not cfg.recompute_on_gate:
             results.append(SiblingResult(out, mirrors, 0))
@@ -144,13 +145,13 @@ def recover_siblings(
         assert region.block is not None
         corrected = region.block[out.recomputed]  # units: mirror index << 32 | mirror block
         diffed = []
-        for index, (mirror, kept) in enumerate(zip(mirrors, restored, strict=True)):
-            # The run's KV as the sibling now holds it: the master's, corrected where recomputed
-            # (a run inside the region: those rows of the recovered region, a view).
-            inside, rows = _inside(mirror, sibling)
-            if kept is None:
-                k, v = out.k[:, rows], out.v[:, rows]
+        for index, (mirror, kept) in enumerate(zip(mirrors, p.copies, strict=True)):
+            # The run's KV as the sibling now holds it: the master's, corrected where recomputed.
+            if kept is None:  # its rows of the placed buffer, which recovery wrote (scratch)
+                at = mirror.rows(p.origin)
+                k, v = p.k[:, at], p.v[:, at]
             else:
+                inside, rows = _inside(mirror, sibling)
                 k, v = kept
                 k[:, inside] = out.k[:, rows]
                 v[:, inside] = out.v[:, rows]
@@ -208,33 +209,59 @@ def _exact_rows(
     return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 
-def _placed_region(
-    executor: Executor, master: Master, sibling: SiblingInput
-) -> tuple[RegionInput, tuple[Mirror, ...], list[tuple[torch.Tensor, torch.Tensor] | None]]:
-    """The sibling's region with the master's KV placed on its round segments, its mirrors and,
-    for a run that begins in the prefix, its restored KV (the whole run; None for a run inside
-    the region, whose rows the region holds).
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """A sibling's region with the master's KV placed on its round segments (`_placed_region`).
+
+    The region's KV are rows of one buffer `k`, `v` [L, lead + t, H, D] holding positions from
+    `origin` (the region's start less `lead`): a run that begins in the prefix and ends in the
+    region is restored whole into it, its `lead` rows before the region's own, so that its KV
+    (for its diff) needs no copy. Recovery writes the region's rows in place (`scratch`)."""
+
+    region: RegionInput
+    mirrors: tuple[Mirror, ...]
+    # Per run: None where its rows lie in the buffer; else a copy of the whole run (one that
+    # reaches past the region's end), whose region rows the caller overwrites once recovered.
+    copies: list[tuple[torch.Tensor, torch.Tensor] | None]
+    k: torch.Tensor
+    v: torch.Tensor
+    origin: int
+
+
+def _placed_region(executor: Executor, master: Master, sibling: SiblingInput) -> _Placed:
+    """The sibling's region with the master's KV placed on its round segments, and its mirrors.
 
     Units for whole-block selection: a placed token's unit is (mirror index << 32 | its mirror
     block), every other token a unit of its own (never chosen: not reusable)."""
     t = len(sibling.token_ids)
     device = executor.device
-    k, v = blank_kv(executor, t, zeros=False), blank_kv(executor, t, zeros=False)
+    runs = [(Mirror.of(master, order, lo), order) for lo, order in _runs(sibling.spans)]
+    start, end = sibling.start, sibling.end
+    lead = max(
+        (start - m.start for m, _ in runs if m.start < start < m.start + len(m.positions) <= end),
+        default=0,
+    )
+    origin = start - lead
+    k_all, v_all = (
+        blank_kv(executor, lead + t, zeros=False),
+        blank_kv(executor, lead + t, zeros=False),
+    )
+    k, v = k_all[:, lead:], v_all[:, lead:]
     reusable = torch.zeros(t, dtype=torch.bool, device=device)
     segment = torch.full((t,), len(sibling.spans), dtype=torch.int64, device=device)
     block = -1 - torch.arange(t, dtype=torch.int64, device=device)
-    mirrors = []
-    restored: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    for index, (lo, order) in enumerate(_runs(sibling.spans)):
-        mirror = Mirror.of(master, order, lo)
+    copies: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for index, (mirror, order) in enumerate(runs):
         inside, rows = _inside(mirror, sibling)
-        kept = None  # a run inside the region is restored into its rows
-        if isinstance(rows, slice):
-            restore_into(master, mirror, executor.config, k[:, rows], v[:, rows])
-        else:  # a run that begins in the prefix is kept whole for its diff
+        if origin <= mirror.start and mirror.start + len(mirror.positions) <= end:
+            at = mirror.rows(origin)
+            restore_into(master, mirror, executor.config, k_all[:, at], v_all[:, at])
+            copies.append(None)
+        else:  # a run reaching outside the buffer is restored whole, its region rows copied
             kept = restore(master, mirror, executor.config)
             k[:, rows] = kept[0][:, inside]
             v[:, rows] = kept[1][:, inside]
+            copies.append(kept)
         reusable[rows] = True
         block[rows] = (index << 32) | mirror.block_of_token()[inside]
         segment_of = torch.repeat_interleave(
@@ -242,13 +269,12 @@ def _placed_region(
             torch.tensor([master.segment_lengths[i] for i in order], device=device),
         )
         segment[rows] = segment_of[inside]
-        mirrors.append(mirror)
-        restored.append(kept)
-    k[:, ~reusable] = 0  # the rows to compute: zeros until they are
-    v[:, ~reusable] = 0
+    computed = torch.nonzero(~reusable).flatten()  # the rows to compute: zeros until they are
+    k.index_fill_(1, computed, 0)
+    v.index_fill_(1, computed, 0)
     region = RegionInput(
         sibling.token_ids,
-        torch.arange(sibling.start, sibling.end, device=device),
+        torch.arange(start, end, device=device),
         sibling.prefix,
         k,
         v,
@@ -258,7 +284,7 @@ def _placed_region(
         keep_reused_outside_selection=True,
         scratch=True,
     )
-    return region, tuple(mirrors), restored
+    return _Placed(region, tuple(m for m, _ in runs), copies, k_all, v_all, origin)
 
 
 Rows = slice | torch.Tensor
