@@ -231,3 +231,7 @@ def test_the_digest_of_rows_is_their_contiguous_bytes_whatever_their_strides():
     expected = blake3.blake3(k.contiguous().numpy().tobytes() + v.contiguous().numpy().tobytes())
     assert not k.is_contiguous() and kv_digest(k, v) == expected.hexdigest()
     assert kv_digest(k, v) != kv_digest(v, k)
+    # Rows big enough for the digest's threads (MiBs a layer) digest to the one-thread hash.
+    big = torch.randn(2, 8192, 3, 64)
+    one = blake3.blake3(big.numpy().tobytes() + big.numpy().tobytes(), max_threads=1)
+    assert kv_digest(big, big) == one.hexdigest()
