@@ -2,13 +2,15 @@
 request's exact prefix served from stand-in pages: per-request reuse of stored segment KV,
 collective rounds, the gate, tenants."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kmesh.compute.executor import SequenceInput
 from kmesh.compute.rope import rerotate_keys
 from kmesh.compute.tiny import tiny_executor
-from kmesh.recovery.jobs import RecoveryJob
+from kmesh.recovery.jobs import RecoveredRows, RecoveryJob
 from kmesh.recovery.requests import RequestRecovery, _chunks
 from kmesh.state.request_meta import RecoverySpec, RoundSpec
 from kmesh.state.segments import Role, Span
@@ -65,14 +67,28 @@ def job(ids, spans, spec, start=BLOCK, request_id="r", tenant=SALT, family=None,
 def run(recovery, executor, ids, spans, spec, **kw):
     work = job(ids, spans, spec, **kw)
     pages = ExactPages(executor, ids)
-    return recovery.run([work], pages, no_write)[work.request_id], pages, work
+    return recovered(recovery, [work], pages)[work.request_id], pages, work
 
 
 NONE = RecoverySpec(policy="none", gate=None)
 
 
 def no_write(job, outcome) -> None:
-    """The engine's writer, where a test reads the outcomes instead."""
+    """The engine's writer, where a test reads no outcome."""
+
+
+def recovered(recovery, jobs, pages, write=no_write) -> dict[str, RecoveredRows]:
+    """`recovery.run`'s outcomes with their rows, as the engine's writer is handed them (run
+    returns them without)."""
+    written: dict[str, RecoveredRows] = {}
+
+    def keep(work, outcome) -> None:
+        written[work.request_id] = outcome
+        write(work, outcome)
+
+    reported = recovery.run(jobs, pages, keep)
+    assert all(out.k is None and out.v is None for out in reported.values())
+    return {rid: replace(written[rid], transcript=out.transcript) for rid, out in reported.items()}
 
 
 def test_the_first_reader_computes_its_region_exactly_and_stores_its_shared_segments(model):
@@ -198,7 +214,7 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, ma
             work = next(w for w in jobs if w.block_ids == block_ids)
             return ExactPages(executor, work.token_ids).read(block_ids, positions)
 
-    outcomes = recovery.run(jobs, Pages(), no_write)
+    outcomes = recovered(recovery, jobs, Pages())
     first, second = outcomes["s0"].report, outcomes["s1"].report
     assert first.master_bytes > 0 and second.shared_computed_tokens == second.master_bytes == 0
     assert second.reused_tokens == len(A) + len(B)
@@ -222,7 +238,7 @@ def test_a_round_builds_its_master_once_and_places_it_in_every_sibling(model, ma
     torch.testing.assert_close(k1, moved, atol=1e-5, rtol=1e-4)
     # A sibling arriving in a later step reuses the same master.
     later = job(*prompt("ab", private="y"), spec, request_id="s2", family="f")
-    report = recovery.run([later], ExactPages(executor, later.token_ids), no_write)["s2"].report
+    report = recovered(recovery, [later], ExactPages(executor, later.token_ids))["s2"].report
     assert report.master_bytes == 0 and report.reused_tokens == len(A) + len(B)
 
 
@@ -233,7 +249,7 @@ def test_a_master_sibling_computes_a_round_segment_reaching_past_the_claim_whole
     ids, spans = prompt("ab", private="y", ask=[60])  # b ends past the claim
     work = job(ids, spans, spec, family="f")
     assert work.end < span(spans, "b").end
-    outcome = recovery.run([work], ExactPages(executor, ids), no_write)["r"]
+    outcome = recovered(recovery, [work], ExactPages(executor, ids))["r"]
     assert outcome.k is not None and outcome.k.shape[1] == work.end - work.start
     assert outcome.report.computed_tokens == span(spans, "b").end - work.start
 
@@ -257,9 +273,7 @@ def test_a_dropped_master_is_built_again_by_the_rounds_next_sibling(model):
     def sibling(round_id: str, request_id: str):
         spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id=round_id, segments=["a"]))
         work = job(*prompt("ab"), spec, request_id=request_id, family="f")
-        return recovery.run([work], ExactPages(executor, work.token_ids), no_write)[
-            request_id
-        ].report
+        return recovered(recovery, [work], ExactPages(executor, work.token_ids))[request_id].report
 
     assert sibling("r1", "s1").master_bytes > 0
     assert sibling("r2", "s2").master_bytes > 0  # drops r1's master
@@ -271,10 +285,10 @@ def test_a_siblings_claim_starts_after_the_kept_trunk_tail_whose_rows_it_takes_a
     recovery = RequestRecovery(executor, fingerprint, page_size=BLOCK)
     first_ids, first_spans = prompt("ab")  # the trunk (SYSTEM, 5 tokens) ends inside page 1
     first = job(first_ids, first_spans, NONE, start=0)
-    first_out = recovery.run([first], ExactPages(executor, first_ids), no_write)["r"]
+    first_out = recovered(recovery, [first], ExactPages(executor, first_ids))["r"]
     ids, spans = prompt("ba", private="y")
     second = job(ids, spans, NONE, request_id="r2", first_block=10)
-    outcome = recovery.run([second], ExactPages(executor, ids), no_write)["r2"]
+    outcome = recovered(recovery, [second], ExactPages(executor, ids))["r2"]
     assert outcome.report.tail_tokens == len(SYSTEM) - BLOCK
     assert outcome.k is not None and first_out.k is not None
     assert torch.equal(outcome.k[:, :1], first_out.k[:, BLOCK : len(SYSTEM)])
@@ -282,10 +296,10 @@ def test_a_siblings_claim_starts_after_the_kept_trunk_tail_whose_rows_it_takes_a
     # segment would otherwise have placed (re-rotated), is the first sibling's row itself.
     assert outcome.k.shape[1] == second.end - second.start
     alone = RequestRecovery(executor, fingerprint)  # keeps no tails; the same stored segments
-    alone.run([first], ExactPages(executor, first_ids), no_write)
-    without = alone.run(
-        [job(ids, spans, NONE, request_id="r3")], ExactPages(executor, ids), no_write
-    )["r3"]
+    recovered(alone, [first], ExactPages(executor, first_ids))
+    without = recovered(alone, [job(ids, spans, NONE, request_id="r3")], ExactPages(executor, ids))[
+        "r3"
+    ]
     assert outcome.report.reused_tokens == without.report.reused_tokens - 1
     assert outcome.report.computed_tokens == without.report.computed_tokens
 
@@ -295,12 +309,12 @@ def test_a_round_sibling_continues_its_own_previous_prompt_from_its_kept_tail(mo
     recovery = RequestRecovery(executor, fingerprint, page_size=BLOCK)
     earlier_ids, earlier_spans = prompt("a", private="y")  # ... a ends at 18, then the ask
     earlier = job(earlier_ids, earlier_spans, NONE, start=0)
-    recovery.run([earlier], ExactPages(executor, earlier_ids), no_write)
+    recovered(recovery, [earlier], ExactPages(executor, earlier_ids))
     # The next prompt continues it before its ask: its page hit ends at 16, the tail is 16, 17.
     ids, spans = prompt("ab", private="y")
     spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["b"]))
     sibling = job(ids, spans, spec, start=16, request_id="s", family="f")
-    outcome = recovery.run([sibling], ExactPages(executor, ids), no_write)["s"]
+    outcome = recovered(recovery, [sibling], ExactPages(executor, ids))["s"]
     assert outcome.report.tail_tokens == 2 and outcome.k is not None
     assert outcome.k.shape[1] == sibling.end - sibling.start
 
@@ -339,12 +353,15 @@ def test_a_round_too_large_for_one_batch_is_recovered_in_batches_around_one_mast
             work = next(w for w in jobs if w.block_ids == block_ids)
             return ExactPages(executor, work.token_ids).read(block_ids, positions)
 
-    whole = RequestRecovery(executor, fingerprint).run(jobs, Pages(), no_write)
+    whole = recovered(RequestRecovery(executor, fingerprint), jobs, Pages())
     written: list[str] = []
     monkeypatch.setattr("kmesh.recovery.requests.ROUND_BATCH_TOKENS", 2 * (jobs[0].end - BLOCK))
     assert len(_chunks(jobs)) >= 2
-    batched = RequestRecovery(executor, fingerprint).run(
-        jobs, Pages(), lambda work, _: written.append(work.request_id)
+    batched = recovered(
+        RequestRecovery(executor, fingerprint),
+        jobs,
+        Pages(),
+        lambda work, _: written.append(work.request_id),
     )
     assert written == ["s0", "s1", "s2", "s3"]  # every batch written before the next
     assert [batched[w.request_id].report.master_bytes > 0 for w in jobs] == [1, 0, 0, 0]
@@ -379,11 +396,11 @@ def test_a_steps_jobs_that_reuse_what_its_first_reader_stores_are_recovered_in_o
         def read(self, block_ids, positions):
             return pages[f"r{block_ids[0] // 10}"].read(block_ids, positions)
 
-    got = batched.run(jobs, StepPages(), no_write)
+    got = recovered(batched, jobs, StepPages())
     assert batches == [1, 2]  # the first reader alone, then both readers of what it stored
     assert [got[j.request_id].report.reused_tokens for j in jobs] == [0, 16, 16]
     one_at_a_time = RequestRecovery(executor, fingerprint)
     for j in jobs:
-        alone = one_at_a_time.run([j], pages[j.request_id], no_write)[j.request_id]
+        alone = recovered(one_at_a_time, [j], pages[j.request_id])[j.request_id]
         torch.testing.assert_close(got[j.request_id].k, alone.k, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got[j.request_id].v, alone.v, atol=1e-5, rtol=1e-4)

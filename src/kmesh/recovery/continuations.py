@@ -11,7 +11,8 @@ requests.py's recovery of a step's jobs.
 - `finish`: the outcome over the job's whole claim (those rows first), reported as tail or
   restored rows, and the job's own tails kept (held in the ledger).
 - `write`: the outcome handed to the engine, then the job's transcript's new rows published
-  (its mirrors of the round's master where they give those rows back).
+  (its mirrors of the round's master where they give those rows back); what is reported back
+  holds no rows, so that the memory of a step's batch is free for the next.
 
 What a step restored is filed by request id in a dict the caller keeps for the step (`Restored`:
 the chain to publish after, its rows, the bytes read).
@@ -97,15 +98,16 @@ class Continuations:
         restored: dict[str, Restored],
     ) -> RecoveredRows:
         """Hand the outcome to the engine, then publish the job's transcript (the rows it
-        wrote read from the outcome, any before them from its pages); the outcome with the keys
-        of its transcript's entries."""
+        wrote read from the outcome, any before them from its pages); the outcome without its
+        rows (the engine has them: a step's later batches reuse their memory), with the keys of
+        its transcript's entries."""
         write(job, outcome)
         got = restored.get(job.request_id)
+        keys: tuple[bytes, ...] = ()
         if self.transcripts is not None and got is not None and outcome.k is not None:
             written = _Written(pages, job, outcome)
             keys = self.transcripts.publish(job, got.chain, written, outcome.mirrors)
-            return replace(outcome, transcript=keys)
-        return outcome
+        return replace(outcome, k=None, v=None, transcript=keys)
 
     def discard(self, held: HeldTail) -> None:
         """Forget a tail the ledger dropped."""

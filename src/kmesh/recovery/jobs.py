@@ -110,7 +110,8 @@ class RecoveredRows:
     transcript: tuple[bytes, ...] = ()
 
 
-# Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them).
+# Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them);
+# the rows are not kept after the call (a writer that keeps them copies them).
 Writer = Callable[[RecoveryJob, RecoveredRows], None]
 
 

@@ -117,7 +117,8 @@ class RequestRecovery:
         later batch is recovered (a later job of the step may read its rows as prefix: an
         engine's prefix cache can hand it pages this step fills), then its transcript is
         published. A job whose prefix a restored transcript or a kept tail continues starts
-        after it (those rows are written as they are)."""
+        after it (those rows are written as they are). Returns each job's outcome without its
+        rows (they went to `write`): its report, mirrors and transcript keys."""
         outcomes: dict[str, RecoveredRows] = {}
         rounds: dict[RoundKey, list[RecoveryJob]] = {}
         restored: dict[str, Restored] = {}
@@ -139,7 +140,7 @@ class RequestRecovery:
                 resumed = [steps.continued(job, tails, restored) for job in chunk]
                 done = self._round(key, resumed, tails)
                 for job in chunk:
-                    outcome = steps.finish(job, done[job.request_id], tails, restored)
+                    outcome = steps.finish(job, done.pop(job.request_id), tails, restored)
                     outcomes[job.request_id] = steps.write(job, outcome, pages, write, restored)
         return outcomes
 
