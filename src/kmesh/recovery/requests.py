@@ -117,8 +117,7 @@ class RequestRecovery:
         later batch is recovered (a later job of the step may read its rows as prefix: an
         engine's prefix cache can hand it pages this step fills), then its transcript is
         published. A job whose prefix a restored transcript or a kept tail continues starts
-        after it (those rows are written as they are). Returns each job's outcome without its
-        rows (they went to `write`): its report, mirrors and transcript keys."""
+        after it (those rows are written as they are). Returns the outcomes without rows."""
         outcomes: dict[str, RecoveredRows] = {}
         rounds: dict[RoundKey, list[RecoveryJob]] = {}
         restored: dict[str, Restored] = {}
