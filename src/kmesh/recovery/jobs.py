@@ -111,7 +111,7 @@ class RecoveredRows:
 
 
 # Writes a job's outcome into the engine's pages (rows [start, end), unless the gate left them);
-# the rows are not kept after the call (a writer that keeps them copies them).
+# recovery lets go of the rows after the call (a writer that keeps a view keeps its whole batch).
 Writer = Callable[[RecoveryJob, RecoveredRows], None]
 
 
