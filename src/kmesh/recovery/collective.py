@@ -220,8 +220,9 @@ class _Placed:
 
     region: RegionInput
     mirrors: tuple[Mirror, ...]
-    # Per run: None where its rows lie in the buffer; else a copy of the whole run (one that
-    # reaches past the region's end), whose region rows the caller overwrites once recovered.
+    # Per run: None where its rows lie in the buffer; else a copy of the whole run (one wholly
+    # in the prefix, or reaching past the region's end), whose region rows the caller overwrites
+    # once recovered.
     copies: list[tuple[torch.Tensor, torch.Tensor] | None]
     k: torch.Tensor
     v: torch.Tensor

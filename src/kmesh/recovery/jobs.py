@@ -101,7 +101,8 @@ class RecoveredRows:
     """What recovering one job gave: its report and the rows to write."""
 
     report: RecoveryReport
-    # Rows [start, end) to write, None when the gate left them to the engine's own prefill.
+    # Rows [start, end) to write, None when the gate left them to the engine's own prefill (and
+    # in what RequestRecovery.run returns: the writer had them).
     k: torch.Tensor | None
     v: torch.Tensor | None
     mirrors: RoundMirrors | None = None  # a round job's, for publishing its transcript
