@@ -4,10 +4,11 @@ summary's rules without a server."""
 
 import pytest
 
-from kmesh.bench.agents import run_agents_bench
+from kmesh.bench.agents import kmesh_serve_options, run_agents_bench
 from kmesh.bench.agents_config import STRATEGIES, AgentsBenchConfig
 from kmesh.bench.agents_requests import RunNames, request_body
 from kmesh.bench.agents_summary import _max_under_slo, agents_report
+from kmesh.cli import build_parser
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.agent_chats import AgentChats
 
@@ -150,6 +151,15 @@ def test_several_passes_report_medians_of_each_pass_against_its_own_plain_vllm()
     assert exact["cpu_s_total"] == 12 and exact["ttft_p99_s"] == 3.5  # 3.5, 3, 4.5
 
 
+def test_both_vllm_servers_get_the_same_cache_and_dtype():
+    cfg = AgentsBenchConfig(kv_cache="2G", dtype="float32")
+    options = kmesh_serve_options(cfg, "/s.sock")
+    assert options == ("--store", "/s.sock", "--kv-cache", "2G", "--dtype", "float32")
+    assert build_parser().parse_args(["serve", "--engine", "vllm", *options]).dtype == "float32"
+    assert AgentsBenchConfig().dtype == "bfloat16"  # vLLM's own pick for this model here
+    assert kmesh_serve_options(AgentsBenchConfig(engine="reference"), "/s") == ("--store", "/s")
+
+
 def test_a_bench_it_cannot_run_is_refused_with_what_to_change():
     with pytest.raises(InvalidRequestError, match="must include vllm"):
         AgentsBenchConfig(strategies=("kmesh_exact",))
@@ -159,3 +169,5 @@ def test_a_bench_it_cannot_run_is_refused_with_what_to_change():
         AgentsBenchConfig(kv_cache="lots")
     with pytest.raises(InvalidRequestError, match="--repeats"):
         AgentsBenchConfig(repeats=0)
+    with pytest.raises(InvalidRequestError, match="--dtype must be one of float32, bfloat16"):
+        AgentsBenchConfig(dtype="float16")

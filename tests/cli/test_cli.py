@@ -77,6 +77,7 @@ def test_model_info_names_the_cache_and_config():
         (["adapters", "prepare", "--count", "0"], "--count must be at least 1"),
         (["serve", "--engine", "reference", "--recovery-bytes", "lots"], "--recovery-bytes takes"),
         (["serve", "--engine", "reference", "--quality", "greedy"], "need --reuse-messages"),
+        (["serve", "--engine", "reference", "--dtype", "bfloat16"], "it needs --engine vllm"),
         (
             ["serve", "--engine", "reference", "--reuse-messages", "--quality", "kl:x"],
             "--quality takes exact, greedy",

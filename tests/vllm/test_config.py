@@ -3,7 +3,9 @@
 import pytest
 from vllm.config import KVTransferConfig
 
-from kmesh.vllm.config import extra_count, kv_transfer_config, vllm_server_args
+from kmesh.errors import InvalidRequestError
+from kmesh.serve.vllm_backend import VLLMBackend
+from kmesh.vllm.config import extra_count, kv_transfer_config, vllm_engine_kwargs, vllm_server_args
 
 
 def test_engine_kwargs_become_vllm_server_flags():
@@ -19,6 +21,16 @@ def test_engine_kwargs_become_vllm_server_flags():
         "--kv-transfer-config",
         '{"kv_connector": "KMeshConnector"}',
     ]
+
+
+def test_the_dtype_reaches_vllm_from_kmesh_serve_and_an_unknown_one_is_refused():
+    assert VLLMBackend().max_model_len > 0  # the embedded model, nothing started
+    assert VLLMBackend()._engine_kwargs["dtype"] == "float32"
+    assert VLLMBackend(dtype="bfloat16")._engine_kwargs["dtype"] == "bfloat16"
+    args = vllm_server_args(vllm_engine_kwargs(connector=False, dtype="bfloat16"))
+    assert args[args.index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(InvalidRequestError, match="float32, bfloat16, got 'float16'"):
+        vllm_engine_kwargs(dtype="float16")
 
 
 def test_the_recovery_budget_reaches_the_connector_only_when_given():

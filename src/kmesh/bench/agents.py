@@ -122,7 +122,10 @@ class _vllm_server:
             from kmesh.vllm.config import vllm_engine_kwargs
 
             kwargs = vllm_engine_kwargs(
-                cfg.model, connector=False, kv_cache_bytes=parse_size(cfg.kv_cache, "--kv-cache")
+                cfg.model,
+                connector=False,
+                kv_cache_bytes=parse_size(cfg.kv_cache, "--kv-cache"),
+                dtype=cfg.dtype,
             )
             self.server = start_vllm_server(kwargs, self.work / "vllm.log", timeout=600)
         url = self.server.url
@@ -144,13 +147,8 @@ class _kmesh_server:
     def __enter__(self) -> Served:
         cfg = self.cfg
         self.store = start_store(self.work, cfg.store_capacity)
-        options = ["--store", self.store.socket]
-        if cfg.engine == "vllm":
-            options += ["--kv-cache", cfg.kv_cache]
-        if cfg.model is not None:
-            options += ["--model", cfg.model]
         self.server = start_kmesh_serve(
-            cfg.engine, self.work / "kmesh.log", tuple(options), timeout=600
+            cfg.engine, self.work / "kmesh.log", kmesh_serve_options(cfg, self.store.socket), 600
         )
         url = self.server.url
         processes = {"server": self.server.process.pid, "store": self.store.process.pid}
@@ -163,6 +161,17 @@ class _kmesh_server:
         finally:
             if self.store is not None:
                 self.store.stop()
+
+
+def kmesh_serve_options(cfg: AgentsBenchConfig, store: str) -> tuple[str, ...]:
+    """`kmesh serve`'s options for the KMesh strategies: the store, and the vLLM settings the
+    plain server gets too."""
+    options = ["--store", store]
+    if cfg.engine == "vllm":
+        options += ["--kv-cache", cfg.kv_cache, "--dtype", cfg.dtype]
+    if cfg.model is not None:
+        options += ["--model", cfg.model]
+    return tuple(options)
 
 
 def _model_id(url: str) -> str:

@@ -6,6 +6,7 @@ CLI reports a bad value in one line before any server starts.
 
 from dataclasses import dataclass
 
+from kmesh.compute.config import DTYPES
 from kmesh.errors import InvalidRequestError
 from kmesh.store.server import parse_size
 from kmesh.workloads.agent_chats import AgentsConfig
@@ -32,6 +33,9 @@ class AgentsBenchConfig:
     # Both servers' vLLM KV cache, and the KMesh store's capacity.
     kv_cache: str = "4G"
     store_capacity: str = "8G"
+    # Both vLLM servers' dtype: what plain `vllm serve` picks itself ("auto") for this model on a
+    # CPU with bfloat16 (docs/AGENTS.md, "The dtype"). The reference engine computes in float32.
+    dtype: str = "bfloat16"
     # kmesh_per_request's recompute ratio; kmesh_collective's per-agent ratio.
     per_request_ratio: float = 0.3
     agent_ratio: float = 0.0
@@ -61,6 +65,8 @@ class AgentsBenchConfig:
         for ratio in (self.per_request_ratio, self.agent_ratio):
             if not 0 <= ratio <= 1:
                 raise InvalidRequestError(f"recompute ratios are shares in [0, 1], got {ratio}")
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"--dtype must be one of {', '.join(DTYPES)}")
         parse_size(self.kv_cache, "--kv-cache")
         parse_size(self.store_capacity, "--store-capacity")
         self.chats(min(self.agents))  # the workload's own checks

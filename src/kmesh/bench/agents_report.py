@@ -28,9 +28,15 @@ HEADER = (
 def _title(cfg: dict[str, Any]) -> str:
     return (
         f"bench agents: {cfg['workload']}, {cfg['rounds']} rounds, {cfg['max_tokens']} greedy "
-        f"tokens per message, engine {cfg['engine']}, KV cache {cfg['kv_cache']}, all of a "
+        f"tokens per message, engine {_engine(cfg)}, KV cache {cfg['kv_cache']}, all of a "
         f"round's agents at once (closed loop); SLO: TTFT p99 <= {cfg['slo_ttft_s']:g} s"
     )
+
+
+def _engine(cfg: dict[str, Any]) -> str:
+    if cfg["engine"] != "vllm":
+        return str(cfg["engine"])
+    return f"vllm in {cfg['dtype']}"
 
 
 def _rows(strategies: dict[str, Any]) -> list[list[str]]:
@@ -100,7 +106,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
     figure.suptitle(
-        f"kmesh bench agents: {cfg['workload']}, {cfg['rounds']} rounds, engine {cfg['engine']}"
+        f"kmesh bench agents: {cfg['workload']}, {cfg['rounds']} rounds, engine {_engine(cfg)}"
     )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

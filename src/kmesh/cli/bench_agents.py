@@ -29,6 +29,7 @@ def _bench_agents(args: argparse.Namespace) -> None:
 
 def register(benches: Commands) -> None:
     from kmesh.bench.agents_config import ENGINES, AgentsBenchConfig
+    from kmesh.compute.config import DTYPES
     from kmesh.workloads.agent_chats import WORKLOADS
     from kmesh.workloads.allgather import ORDERS
 
@@ -54,6 +55,9 @@ def register(benches: Commands) -> None:
     add_config_flag(agents, default, "engine", choices=ENGINES)
     add_config_flag(agents, default, "strategies", "comma-separated, vllm included")
     add_config_flag(agents, default, "kv_cache", "both servers' vLLM KV cache")
+    add_config_flag(
+        agents, default, "dtype", "both vLLM servers' (vLLM's own pick here)", choices=DTYPES
+    )
     add_config_flag(agents, default, "store_capacity", "KMesh's store")
     add_config_flag(agents, default, "per_request_ratio", "kmesh_per_request's")
     add_config_flag(agents, default, "agent_ratio", "kmesh_collective's")

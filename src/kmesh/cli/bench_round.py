@@ -13,14 +13,13 @@ from kmesh.cli.bench_common import (
     progress,
 )
 from kmesh.cli.common import Commands
+from kmesh.compute.config import DTYPES
 from kmesh.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
 
     from kmesh.compute.config import ModelConfig
-
-DTYPES = ("float32", "bfloat16")
 
 
 def _device(name: str) -> "torch.device":

@@ -6,6 +6,7 @@ import os
 import socket
 
 from kmesh.cli.common import Commands, add_model_option, add_store_option, check_store
+from kmesh.compute.config import DTYPES
 from kmesh.errors import InvalidRequestError
 
 
@@ -53,16 +54,23 @@ def _serve(args: argparse.Namespace) -> None:
         if args.engine != "vllm":
             raise InvalidRequestError("--kv-cache sizes vLLM's KV cache: it needs --engine vllm")
         kv_cache_bytes = parse_size(args.kv_cache, "--kv-cache")
+    if args.dtype is not None and args.engine != "vllm":
+        raise InvalidRequestError(
+            "--dtype picks vLLM's dtype: it needs --engine vllm (the reference engine computes "
+            "in float32)"
+        )
     listener = _listen(args.host, args.port)
     backend: Backend
     if args.engine == "vllm":
         from kmesh.serve.vllm_backend import VLLMBackend
+        from kmesh.vllm.config import DEFAULT_DTYPE
 
         backend = VLLMBackend(
             args.model,
             store=args.store,
             recovery_bytes=recovery_bytes,
             kv_cache_bytes=kv_cache_bytes,
+            dtype=args.dtype or DEFAULT_DTYPE,
         )
         print("kmesh serve: starting vLLM (about a minute on 2 cores)...", flush=True)
     else:
@@ -158,6 +166,13 @@ def register(commands: Commands) -> None:
         default=None,
         metavar="SIZE",
         help="--engine vllm: vLLM's KV cache, like 2G (default 1G)",
+    )
+    serve.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="--engine vllm: the model's and the KV cache's dtype (default float32, the "
+        "reference engine's; vLLM's own default on a CPU with bfloat16 is bfloat16)",
     )
     serve.add_argument(
         "--api-keys",

@@ -6,6 +6,9 @@ from typing import Any
 
 from kmesh.errors import ModelNotFoundError
 
+# The dtypes KMesh computes a model in, on either engine (recovery runs in both).
+DTYPES = ("float32", "bfloat16")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:

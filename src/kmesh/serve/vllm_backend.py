@@ -20,7 +20,12 @@ from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenL
 from kmesh.serve.branches import prefix_shared_branches
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
 from kmesh.stats import EngineLoad
-from kmesh.vllm.config import ALLOCATOR_ENV, DEFAULT_KV_CACHE_BYTES, vllm_engine_kwargs
+from kmesh.vllm.config import (
+    ALLOCATOR_ENV,
+    DEFAULT_DTYPE,
+    DEFAULT_KV_CACHE_BYTES,
+    vllm_engine_kwargs,
+)
 
 
 class VLLMBackend:
@@ -31,6 +36,7 @@ class VLLMBackend:
         store: socket of a `kmesh store serve` process, handed to KMeshConnector.
         recovery_bytes: what the connector's worker keeps for recovery at most (None: 1 GiB).
         kv_cache_bytes: vLLM's KV cache (None: kmesh.vllm.config's default, 1 GiB).
+        dtype: the model's and the KV cache's, "float32" or "bfloat16".
     """
 
     engine = "vllm"
@@ -42,12 +48,14 @@ class VLLMBackend:
         store: str | None = None,
         recovery_bytes: int | None = None,
         kv_cache_bytes: int | None = None,
+        dtype: str = DEFAULT_DTYPE,
     ) -> None:
         self._engine_kwargs = vllm_engine_kwargs(
             model,
             store=store,
             recovery_bytes=recovery_bytes,
             kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+            dtype=dtype,
         )
         path = Path(self._engine_kwargs["model"])
         self.model_id = path.name

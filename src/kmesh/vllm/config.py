@@ -2,20 +2,24 @@
 
 CPU defaults from ../shared/VLLM.md: eager mode (start ~40 s instead of ~125 s on 2 cores), an
 explicit KV cache size, float32 by default (the reference engine's dtype, so the two engines can be
-compared token for token; `dtype="bfloat16"` gives vLLM's usual CPU dtype, in which recovery runs
-too). A failed load from the store is recomputed, never fatal.
+compared token for token; `dtype="bfloat16"` gives what vLLM's own "auto" picks on a CPU with
+bfloat16, for this float32 model folder too, and recovery runs in it as well). A failed load from
+the store is recomputed, never fatal.
 """
 
 import json
 from pathlib import Path
 from typing import Any
 
+from kmesh.compute.config import DTYPES
 from kmesh.compute.loader import resolve_model_dir
 from kmesh.errors import InvalidRequestError
 
 CONNECTOR_NAME = "KMeshConnector"
 CONNECTOR_MODULE = "kmesh.vllm.connector"
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# The model's and the KV cache's dtype (the module docstring says why float32).
+DEFAULT_DTYPE = "float32"
 # vLLM's page size in tokens on CPU (a multiple of 32; vLLM's own default is 128). See
 # docs/FINDINGS.md for the measurement that chose it.
 DEFAULT_BLOCK_SIZE = 32
@@ -79,7 +83,7 @@ def vllm_engine_kwargs(
     connector: bool = True,
     max_model_len: int = 8192,
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-    dtype: str = "float32",
+    dtype: str = DEFAULT_DTYPE,
     block_size: int = DEFAULT_BLOCK_SIZE,
     **overrides: Any,
 ) -> dict[str, Any]:
@@ -87,6 +91,8 @@ def vllm_engine_kwargs(
     embedded model when None). `connector=False` gives vanilla vLLM with the same settings.
     `dtype` is the model's and the KV cache's (recovery runs in "float32" or "bfloat16");
     `block_size` vLLM's page size in tokens (its CPU backend takes multiples of 32)."""
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"the dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if block_size < 32 or block_size % 32:
         raise InvalidRequestError(
             f"vLLM's CPU backend needs a block size that is a multiple of 32, got {block_size}"
