@@ -37,10 +37,12 @@ def test_every_strategy_answers_every_call_of_every_round(report):
 
 
 @pytest.mark.model
-def test_exact_kmesh_says_what_plain_serving_says_concurrently_and_one_at_a_time(report):
+def test_exact_kmesh_and_plain_serving_say_the_same_concurrently_and_one_at_a_time(report):
     exact = report["strategies"]["kmesh_exact"]["by_agents"]["2"]
     assert exact["identical_to_vllm"] == [1.0, 1.0]
     assert exact["serial_check"] == {"calls": 4, "different": []}
+    plain = report["strategies"]["vllm"]["by_agents"]["2"]
+    assert plain["serial_check"] == {"calls": 4, "different": []}
 
 
 @pytest.mark.model
@@ -152,11 +154,11 @@ def test_several_passes_report_medians_of_each_pass_against_its_own_plain_vllm()
 
 
 def test_both_vllm_servers_get_the_same_cache_and_dtype():
-    cfg = AgentsBenchConfig(kv_cache="2G", dtype="float32")
+    cfg = AgentsBenchConfig(kv_cache="2G", dtype="bfloat16")
     options = kmesh_serve_options(cfg, "/s.sock")
-    assert options == ("--store", "/s.sock", "--kv-cache", "2G", "--dtype", "float32")
-    assert build_parser().parse_args(["serve", "--engine", "vllm", *options]).dtype == "float32"
-    assert AgentsBenchConfig().dtype == "bfloat16"  # vLLM's own pick for this model here
+    assert options == ("--store", "/s.sock", "--kv-cache", "2G", "--dtype", "bfloat16")
+    assert build_parser().parse_args(["serve", "--engine", "vllm", *options]).dtype == "bfloat16"
+    assert AgentsBenchConfig().dtype == "float32"  # where greedy outputs can be compared
     assert kmesh_serve_options(AgentsBenchConfig(engine="reference"), "/s") == ("--store", "/s")
 
 

@@ -17,8 +17,9 @@ KV cache's use at its end and at its peak (sampled every SAMPLE_S), the store's 
 (non-200, transport, a stream without [DONE]), and the share of the agents' messages identical to
 the vllm strategy's. `max_agents_under_slo`: the largest agent count such that it and every
 smaller one held TTFT p99 (over all its rounds' calls) under the SLO. With `serial_check`,
-kmesh_exact's rounds at the largest count up to SERIAL_CHECK_AGENTS are sent again one call at a
-time, under fresh salts and families, and their texts compared with the concurrent ones.
+vllm's and kmesh_exact's rounds at the largest count up to SERIAL_CHECK_AGENTS are sent again one
+call at a time, under fresh salts (and families), and their texts compared with the concurrent
+ones.
 With `repeats` above 1 the whole pass runs again, servers started afresh each time, so that a
 strategy's makespan can be compared with plain vLLM's in the same pass (bench/agents_summary.py).
 """
@@ -49,6 +50,9 @@ from kmesh.workloads.agent_chats import AgentCall, AgentChats
 
 SAMPLE_S = 1.0
 SERIAL_CHECK_AGENTS = 16
+# Whose calls the serial check sends again: kmesh_exact's, and plain vLLM's as the control (in
+# bfloat16 vLLM's own greedy outputs change with the batch they ran in: docs/AGENTS.md).
+SERIAL_CHECKED = ("vllm", "kmesh_exact")
 REQUEST_TIMEOUT_S = 900
 
 
@@ -84,19 +88,17 @@ def _repeat(
     first pass only."""
     runs: dict[str, dict[int, dict[str, Any]]] = {s: {} for s in cfg.strategies}
     nonce = uuid.uuid4().hex[:8]
-    with _vllm_server(cfg, work) as served:
-        for n in cfg.agents:
-            log(f"agents: vllm, {n} agents x {cfg.rounds} rounds ({cfg.workload})")
-            runs["vllm"][n] = _run(served, "vllm", cfg, n, tokenizer, nonce)
-    for strategy in (s for s in cfg.strategies if s != "vllm"):
-        with _kmesh_server(cfg, work) as served:
+    # vllm first: the reference for identical messages
+    for strategy in ("vllm", *(s for s in cfg.strategies if s != "vllm")):
+        server = _vllm_server if strategy == "vllm" else _kmesh_server
+        with server(cfg, work) as served:
             for n in cfg.agents:
-                log(f"agents: {strategy}, {n} agents x {cfg.rounds} rounds")
+                log(f"agents: {strategy}, {n} agents x {cfg.rounds} rounds ({cfg.workload})")
                 runs[strategy][n] = _run(served, strategy, cfg, n, tokenizer, nonce)
-                if first and strategy == "kmesh_exact" and n == _serial_agents(cfg):
-                    log(f"agents: kmesh_exact's {n}-agent calls again, one at a time")
+                if first and strategy in SERIAL_CHECKED and n == _serial_agents(cfg):
+                    log(f"agents: {strategy}'s {n}-agent calls again, one at a time")
                     runs[strategy][n]["serial_check"] = _serial_check(
-                        served, cfg, runs[strategy][n], nonce
+                        served, strategy, cfg, runs[strategy][n], nonce
                     )
     return runs
 
@@ -250,12 +252,12 @@ async def _round(
 
 
 def _serial_check(
-    served: Served, cfg: AgentsBenchConfig, run: dict[str, Any], nonce: str
+    served: Served, strategy: str, cfg: AgentsBenchConfig, run: dict[str, Any], nonce: str
 ) -> dict[str, Any]:
-    """kmesh_exact's calls of `run` sent again one at a time, under a fresh salt and families:
+    """`strategy`'s calls of `run` sent again one at a time, under a fresh salt (and families):
     the calls whose text differs from the concurrent run's."""
     n = max(len(calls) for calls in run["calls"])
-    names = RunNames("kmesh_exact", f"serial-{uuid.uuid4().hex[:8]}-{nonce}", n, cfg.rounds)
+    names = RunNames(strategy, f"serial-{uuid.uuid4().hex[:8]}-{nonce}", n, cfg.rounds)
     different = []
     checked = 0
 
@@ -265,7 +267,7 @@ def _serial_check(
 
     for r, (calls, figures) in enumerate(zip(run["calls"], run["rounds"], strict=True)):
         for call in calls:
-            body = request_body("kmesh_exact", call, r, names, cfg, served.model_id)
+            body = request_body(strategy, call, r, names, cfg, served.model_id)
             result = asyncio.run(one(body))
             checked += 1
             if result.failure or result.text != figures["texts"][call.agent]:

@@ -72,14 +72,14 @@ def print_report(result: dict[str, Any], console: Console) -> None:
                 passes = zip(f["repeats"]["makespan_s"], f["repeats"]["over_vllm"], strict=True)
                 each = ", ".join(f"{m:.1f} ({r:.2f})" for m, r in passes)
                 console.print(f"  {name}, {n} agents: {each}")
-    exact = strategies.get("kmesh_exact", {}).get("by_agents", {})
-    for n, f in exact.items():
-        check = f.get("serial_check")
-        if check is not None:
-            console.print(
-                f"kmesh_exact, {n} agents, sent again one at a time: "
-                f"{check['calls'] - len(check['different'])} of {check['calls']} identical"
-            )
+    for name, run in strategies.items():
+        for n, f in run["by_agents"].items():
+            check = f.get("serial_check")
+            if check is not None:
+                console.print(
+                    f"{name}, {n} agents, sent again one at a time: "
+                    f"{check['calls'] - len(check['different'])} of {check['calls']} identical"
+                )
 
 
 def _number(value: float | None) -> str:

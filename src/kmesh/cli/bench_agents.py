@@ -56,7 +56,11 @@ def register(benches: Commands) -> None:
     add_config_flag(agents, default, "strategies", "comma-separated, vllm included")
     add_config_flag(agents, default, "kv_cache", "both servers' vLLM KV cache")
     add_config_flag(
-        agents, default, "dtype", "both vLLM servers' (vLLM's own pick here)", choices=DTYPES
+        agents,
+        default,
+        "dtype",
+        "both vLLM servers' (bfloat16: vLLM's own pick here)",
+        choices=DTYPES,
     )
     add_config_flag(agents, default, "store_capacity", "KMesh's store")
     add_config_flag(agents, default, "per_request_ratio", "kmesh_per_request's")
