@@ -7,7 +7,7 @@ import pytest
 from kmesh.bench.agents import kmesh_serve_options, run_agents_bench
 from kmesh.bench.agents_config import STRATEGIES, AgentsBenchConfig
 from kmesh.bench.agents_requests import RunNames, request_body
-from kmesh.bench.agents_summary import _max_under_slo, agents_report
+from kmesh.bench.agents_summary import _kv_pages, _max_under_slo, agents_report
 from kmesh.cli import build_parser
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.agent_chats import AgentChats
@@ -160,6 +160,14 @@ def test_both_vllm_servers_get_the_same_cache_and_dtype():
     assert build_parser().parse_args(["serve", "--engine", "vllm", *options]).dtype == "bfloat16"
     assert AgentsBenchConfig().dtype == "float32"  # where greedy outputs can be compared
     assert kmesh_serve_options(AgentsBenchConfig(engine="reference"), "/s") == ("--store", "/s")
+
+
+@pytest.mark.model
+def test_the_cache_holds_twice_the_pages_in_bfloat16():
+    # 4 GiB of 32-token pages, 30 layers x 3 kv heads x 64 x K and V: 1,474,560 bytes in float32
+    assert _kv_pages(AgentsBenchConfig()) == 2912
+    assert _kv_pages(AgentsBenchConfig(dtype="bfloat16")) == 5825
+    assert _kv_pages(AgentsBenchConfig(engine="reference")) is None
 
 
 def test_a_bench_it_cannot_run_is_refused_with_what_to_change():

@@ -21,6 +21,8 @@ import statistics
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kmesh.bench.common import hardware, quantile
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.loader import resolve_model_dir
@@ -52,7 +54,7 @@ def agents_report(cfg: "AgentsBenchConfig", repeats: list[Runs]) -> dict[str, An
             "max_agents_under_slo": _max_under_slo(figures, cfg.slo_ttft_s),
         }
     return {
-        "config": {**asdict(cfg), "kv_pages": pages, "hardware": hardware()},
+        "config": {**asdict(cfg), "kv_pages": pages, "hardware": hardware(_computed_in(cfg))},
         "strategies": strategies,
     }
 
@@ -127,15 +129,21 @@ def _max_under_slo(figures: dict[str, dict[str, Any]], slo: float) -> int:
     return held
 
 
+def _computed_in(cfg: "AgentsBenchConfig") -> str:
+    """The dtype the servers computed in: the bench's for vLLM; the reference engine's float32."""
+    return cfg.dtype if cfg.engine == "vllm" else "float32"
+
+
 def _kv_pages(cfg: "AgentsBenchConfig") -> int | None:
-    """vLLM's KV cache in pages (float32, kmesh.vllm.config's page size); None on the
-    reference engine."""
+    """vLLM's KV cache in pages (in the bench's dtype, kmesh.vllm.config's page size); None on
+    the reference engine."""
     if cfg.engine != "vllm":
         return None
     model = ModelConfig.from_hf(
         json.loads((resolve_model_dir(cfg.model) / "config.json").read_text())
     )
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
+    element = getattr(torch, cfg.dtype).itemsize
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
     return parse_size(cfg.kv_cache) // (per_token * DEFAULT_BLOCK_SIZE)
 
 
