@@ -160,6 +160,7 @@ def test_both_vllm_servers_get_the_same_cache_and_dtype():
     assert build_parser().parse_args(["serve", "--engine", "vllm", *options]).dtype == "bfloat16"
     assert AgentsBenchConfig().dtype == "float32"  # where greedy outputs can be compared
     assert kmesh_serve_options(AgentsBenchConfig(engine="reference"), "/s") == ("--store", "/s")
+    assert AgentsBenchConfig(engine="reference", dtype="bfloat16").computed_in == "float32"
 
 
 @pytest.mark.model

@@ -73,6 +73,11 @@ class AgentsBenchConfig:
         parse_size(self.store_capacity, "--store-capacity")
         self.chats(min(self.agents))  # the workload's own checks
 
+    @property
+    def computed_in(self) -> str:
+        """The dtype the servers compute in: `dtype` on vLLM, float32 on the reference engine."""
+        return self.dtype if self.engine == "vllm" else "float32"
+
     def chats(self, agents: int) -> AgentsConfig:
         return AgentsConfig(
             self.workload,

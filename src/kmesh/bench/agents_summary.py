@@ -54,7 +54,7 @@ def agents_report(cfg: "AgentsBenchConfig", repeats: list[Runs]) -> dict[str, An
             "max_agents_under_slo": _max_under_slo(figures, cfg.slo_ttft_s),
         }
     return {
-        "config": {**asdict(cfg), "kv_pages": pages, "hardware": hardware(_computed_in(cfg))},
+        "config": {**asdict(cfg), "kv_pages": pages, "hardware": hardware(cfg.computed_in)},
         "strategies": strategies,
     }
 
@@ -127,11 +127,6 @@ def _max_under_slo(figures: dict[str, dict[str, Any]], slo: float) -> int:
             break
         held = int(n)
     return held
-
-
-def _computed_in(cfg: "AgentsBenchConfig") -> str:
-    """The dtype the servers computed in: the bench's for vLLM; the reference engine's float32."""
-    return cfg.dtype if cfg.engine == "vllm" else "float32"
 
 
 def _kv_pages(cfg: "AgentsBenchConfig") -> int | None:
