@@ -27,16 +27,17 @@ DEFAULT_BLOCK_SIZE = 32
 WORKER = "kmesh.vllm.worker.KMeshWorker"
 # glibc's allocator for vLLM's processes (read when a process starts): every allocation from the
 # heap (no mmap: glibc maps anything above 32 MiB whatever its threshold is set to, and a mapped
-# buffer's pages fault again on every use), up to 1 GiB of freed memory kept for reuse. Recovery
-# makes many short-lived tensors of a few MiB to a few hundred (a region's KV at 32 agents: 56 MiB
-# a tensor). The heap grows to the worker's peak once and is reused after; it is not returned
-# to the system below that peak while the server runs.
+# buffer's pages fault again on every use), up to 16 GiB of freed memory kept for reuse (above any
+# worker's heap reserve, kmesh/vllm/heap_reserve.py; 1 GiB until stop 53). Recovery makes many
+# short-lived tensors of a few MiB to a few hundred (a region's KV at 32 agents: 56 MiB a
+# tensor). The heap grows to the worker's peak once and is reused after; it is not returned to
+# the system below that peak while the server runs.
 # Measured on the agents bench's round (16 siblings, 15 mirrored), with the threshold at 32 MiB:
 # 6.6 s -> 4.2 s; no mmap at all (32 agents, round 2's siblings, docs/AGENTS.md): 13.1 -> 8.2 s.
 # Vanilla vLLM's servers in the benches get the same (kmesh/serve/process.py).
 ALLOCATOR_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
     "MALLOC_TOP_PAD_": str(256 << 20),
     "MALLOC_MMAP_MAX_": "0",
 }

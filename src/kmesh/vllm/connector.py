@@ -11,6 +11,9 @@ attaches: worker_extension.py).
 With a store, the scheduler role has it make as many segments of a block's size as vLLM's KV
 cache has blocks (`prefault_blocks` in the extra config; 0: none) and faults them in at start, as
 vLLM touches its own KV cache, so that publishing writes memory already there (store/tier.py).
+The worker role likewise writes a heap reserve once when the KV cache is registered
+(`heap_reserve_bytes`; default half the cache, 0: none; heap_reserve.py), so that recovery's
+buffers reuse memory the process holds.
 Without a store it only reports per-request stats (and recovers, if asked). Recovery needs
 `--worker-cls kmesh.vllm.worker.KMeshWorker`: without it the scheduler role warns once at start
 and refuses every recovery, saying why (recovery_support.py). Each finished
@@ -35,6 +38,7 @@ from vllm.platforms import current_platform
 
 from kmesh.recovery.requests import RequestRecovery
 from kmesh.state.request_meta import KMESH_PARAMS_KEY
+from kmesh.vllm import heap_reserve
 from kmesh.vllm.config import extra_count
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
@@ -77,11 +81,21 @@ class KMeshConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = WorkerSide(store, layout)
+            transfer = self._kv_transfer_config
+            # None: heap_reserve.default_reserve, once the KV cache is allocated.
+            self._heap_reserve: int | None = None
+            if transfer.get_from_extra_config("heap_reserve_bytes", None) is not None:
+                self._heap_reserve = extra_count(transfer, "heap_reserve_bytes", 0)
 
     # -- worker role ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side.register_kv_caches(kv_caches)
+        reserve = self._heap_reserve
+        if reserve is None:
+            cache_bytes = sum(layer.nbytes for layer in kv_caches.values())
+            reserve = heap_reserve.default_reserve(cache_bytes)
+        heap_reserve.warm(reserve)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         worker, metadata = self._worker_side, self._metadata
