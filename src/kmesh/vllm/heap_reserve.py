@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # Reserve / KV cache bytes (the 16-agent bench's worker grew 1.1 GB over a 4 GiB cache's start).
-RESERVE_PER_KV_BYTE = 0.0
+RESERVE_PER_KV_BYTE = 0.5
 # Most of MemAvailable a reserve may take.
 MAX_SHARE_OF_AVAILABLE = 0.25
 
