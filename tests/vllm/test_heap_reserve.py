@@ -41,7 +41,7 @@ def test_under_the_allocator_settings_buffers_after_the_reserve_fault_no_pages()
     env = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_")}
     seen, _ = _probe(env | ALLOCATOR_ENV)
     assert seen["cold"] > 10_000  # 16,384 pages of 4 KiB written for the first time
-    assert seen["kept"] >= 250 << 20
+    assert seen["kept"] >= (256 - 64) << 20  # the control's freed 64 MiB may be reused
     assert seen["after"] < 1_000  # 49,152 pages, all from the reserve
 
 

@@ -7,7 +7,8 @@ transcript pieces) grow with every round, so each round's recovering step pushed
 new peak and faulted 66,000-116,000 pages at 16 agents (docs/AGENTS.md, "A warm heap").
 
 Contract: `warm(nbytes)` allocates `nbytes` from the heap, writes every page, frees it, and
-returns how much of it the process still holds. The memory stays in the process only under
+returns how much the process's resident memory grew and stayed (free heap already resident is
+reused, not counted). The memory stays in the process only under
 ALLOCATOR_ENV (kmesh/vllm/config.py: no mmap, a trim threshold above the reserve); otherwise glibc
 unmaps or trims it at once, `warm` returns about 0 and logs what to set. Held memory is resident
 for the process's life; later allocations reuse it and the heap grows past it as before.
