@@ -39,6 +39,14 @@ def test_the_recovery_budget_reaches_the_connector_only_when_given():
     assert extra == {"store": "/s.sock", "recovery_bytes": 1 << 27}
 
 
+def test_the_heap_reserve_reaches_the_connector_from_kmesh_serve_only_when_given():
+    assert "heap_reserve_bytes" not in kv_transfer_config(None)["kv_connector_extra_config"]
+    transfer = VLLMBackend(heap_reserve_bytes=0)._engine_kwargs["kv_transfer_config"]
+    assert transfer["kv_connector_extra_config"]["heap_reserve_bytes"] == 0
+    reserve = KVTransferConfig(**transfer)
+    assert extra_count(reserve, "heap_reserve_bytes", 1) == 0
+
+
 def test_a_count_in_the_connectors_extra_config_is_read_or_refused_by_name():
     def transfer(**extra):
         return KVTransferConfig(**{**kv_transfer_config(None), "kv_connector_extra_config": extra})

@@ -54,6 +54,15 @@ def _serve(args: argparse.Namespace) -> None:
         if args.engine != "vllm":
             raise InvalidRequestError("--kv-cache sizes vLLM's KV cache: it needs --engine vllm")
         kv_cache_bytes = parse_size(args.kv_cache, "--kv-cache")
+    heap_reserve_bytes = None
+    if args.heap_reserve is not None:
+        from kmesh.store.server import parse_size
+
+        if args.engine != "vllm":
+            raise InvalidRequestError(
+                "--heap-reserve sizes vLLM's worker's heap reserve: it needs --engine vllm"
+            )
+        heap_reserve_bytes = parse_size(args.heap_reserve, "--heap-reserve", least=0)
     if args.dtype is not None and args.engine != "vllm":
         raise InvalidRequestError(
             "--dtype picks vLLM's dtype: it needs --engine vllm (the reference engine computes "
@@ -69,6 +78,7 @@ def _serve(args: argparse.Namespace) -> None:
             args.model,
             store=args.store,
             recovery_bytes=recovery_bytes,
+            heap_reserve_bytes=heap_reserve_bytes,
             kv_cache_bytes=kv_cache_bytes,
             dtype=args.dtype or DEFAULT_DTYPE,
         )
@@ -166,6 +176,14 @@ def register(commands: Commands) -> None:
         default=None,
         metavar="SIZE",
         help="--engine vllm: vLLM's KV cache, like 2G (default 1G)",
+    )
+    serve.add_argument(
+        "--heap-reserve",
+        default=None,
+        metavar="SIZE",
+        help="--engine vllm: memory the worker writes once at start and keeps for recovery's "
+        "buffers, like 1G or 0 for none (default half the KV cache, at most a quarter of the "
+        "memory available; docs/VLLM.md)",
     )
     serve.add_argument(
         "--dtype",

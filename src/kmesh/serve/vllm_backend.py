@@ -35,6 +35,7 @@ class VLLMBackend:
         model: what to serve.
         store: socket of a `kmesh store serve` process, handed to KMeshConnector.
         recovery_bytes: what the connector's worker keeps for recovery at most (None: 1 GiB).
+        heap_reserve_bytes: the worker's heap reserve (None: half the KV cache; 0: none).
         kv_cache_bytes: vLLM's KV cache (None: kmesh.vllm.config's default, 1 GiB).
         dtype: the model's and the KV cache's, "float32" or "bfloat16".
     """
@@ -47,6 +48,7 @@ class VLLMBackend:
         *,
         store: str | None = None,
         recovery_bytes: int | None = None,
+        heap_reserve_bytes: int | None = None,
         kv_cache_bytes: int | None = None,
         dtype: str = DEFAULT_DTYPE,
     ) -> None:
@@ -54,6 +56,7 @@ class VLLMBackend:
             model,
             store=store,
             recovery_bytes=recovery_bytes,
+            heap_reserve_bytes=heap_reserve_bytes,
             kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
             dtype=dtype,
         )

@@ -43,13 +43,18 @@ ALLOCATOR_ENV = {
 }
 
 
-def kv_transfer_config(store: str | None, recovery_bytes: int | None = None) -> dict[str, Any]:
+def kv_transfer_config(
+    store: str | None, recovery_bytes: int | None = None, heap_reserve_bytes: int | None = None
+) -> dict[str, Any]:
     """The `kv_transfer_config` that loads KMeshConnector. Without a store the connector only
     reports per-request stats (reused / computed tokens); `recovery_bytes`: what its worker
-    keeps for recovery at most (None: its default)."""
+    keeps for recovery at most; `heap_reserve_bytes`: its worker's heap reserve
+    (kmesh/vllm/heap_reserve.py; None: their defaults)."""
     extra: dict[str, Any] = {"store": store}
     if recovery_bytes is not None:
         extra["recovery_bytes"] = recovery_bytes
+    if heap_reserve_bytes is not None:
+        extra["heap_reserve_bytes"] = heap_reserve_bytes
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -81,6 +86,7 @@ def vllm_engine_kwargs(
     *,
     store: str | None = None,
     recovery_bytes: int | None = None,
+    heap_reserve_bytes: int | None = None,
     connector: bool = True,
     max_model_len: int = 8192,
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
@@ -109,7 +115,9 @@ def vllm_engine_kwargs(
         "seed": 0,
     }
     if connector:
-        kwargs["kv_transfer_config"] = kv_transfer_config(store, recovery_bytes)
+        kwargs["kv_transfer_config"] = kv_transfer_config(
+            store, recovery_bytes, heap_reserve_bytes
+        )
         kwargs["worker_cls"] = WORKER
     kwargs.update(overrides)
     return kwargs
