@@ -115,9 +115,7 @@ def vllm_engine_kwargs(
         "seed": 0,
     }
     if connector:
-        kwargs["kv_transfer_config"] = kv_transfer_config(
-            store, recovery_bytes, heap_reserve_bytes
-        )
+        kwargs["kv_transfer_config"] = kv_transfer_config(store, recovery_bytes, heap_reserve_bytes)
         kwargs["worker_cls"] = WORKER
     kwargs.update(overrides)
     return kwargs
