@@ -5,9 +5,13 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+
+import torch
 
 from kmesh.vllm import heap_reserve
 from kmesh.vllm.config import ALLOCATOR_ENV
+from kmesh.vllm.connector import KMeshConnector
 
 # Cold allocation (64 MiB written) as the control, then a 256 MiB reserve, then 192 MiB written.
 PROBE = """
@@ -59,3 +63,15 @@ def test_the_default_is_half_the_cache_and_at_most_a_quarter_of_what_is_availabl
     monkeypatch.setattr(heap_reserve, "_available", lambda: 4 << 30)
     assert heap_reserve.default_reserve(4 << 30) == 1 << 30
     assert heap_reserve.warm(0) == 0
+
+
+def test_the_connector_writes_the_reserve_once_vllm_registers_its_kv_cache(monkeypatch):
+    warmed: list[int] = []
+    monkeypatch.setattr(heap_reserve, "warm", warmed.append)
+    monkeypatch.setattr(heap_reserve, "_available", lambda: 64 << 30)
+    worker = SimpleNamespace(register_kv_caches=lambda caches: None)
+    caches = {name: torch.empty(3 << 20, dtype=torch.uint8) for name in ("layer.0", "layer.1")}
+    for given, written in ((None, 3 << 20), (0, 0), (5 << 20, 5 << 20)):
+        connector = SimpleNamespace(_worker_side=worker, _heap_reserve=given)
+        KMeshConnector.register_kv_caches(connector, caches)  # type: ignore[arg-type]
+        assert warmed.pop() == written  # by default half the cache's 6 MiB

@@ -37,7 +37,7 @@ def default_reserve(kv_cache_bytes: int) -> int:
 
 
 def warm(nbytes: int) -> int:
-    """Write `nbytes` of heap once and free it; the bytes the process still holds after."""
+    """Write `nbytes` of heap once and free it; how much the resident memory grew and stayed."""
     if nbytes <= 0:
         return 0
     before = _resident()
