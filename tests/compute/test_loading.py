@@ -53,6 +53,13 @@ def test_config_reads_grouped_query_attention_and_tied_embeddings():
     assert config.eos_token_ids == (2,)
 
 
+def test_a_tokens_kv_counts_k_and_v_of_every_layer_in_the_dtypes_bytes():
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
+    per_element = 2 * config.num_layers * 2 * 16  # K and V, 2 kv heads of 16
+    assert config.kv_bytes_per_token("float32") == per_element * 4
+    assert config.kv_bytes_per_token("bfloat16") == per_element * 2
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("declared", [None, "GPT2Tokenizer", "PreTrainedTokenizerFast"])
 def test_a_model_folders_tokenizer_is_the_one_autotokenizer_chooses(tmp_path, declared):

@@ -21,8 +21,6 @@ import statistics
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kmesh.bench.common import hardware, quantile
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.loader import resolve_model_dir
@@ -137,8 +135,7 @@ def _kv_pages(cfg: "AgentsBenchConfig") -> int | None:
     model = ModelConfig.from_hf(
         json.loads((resolve_model_dir(cfg.model) / "config.json").read_text())
     )
-    element = getattr(torch, cfg.dtype).itemsize
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+    per_token = model.kv_bytes_per_token(cfg.dtype)
     return parse_size(cfg.kv_cache) // (per_token * DEFAULT_BLOCK_SIZE)
 
 

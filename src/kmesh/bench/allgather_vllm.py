@@ -297,6 +297,7 @@ def run_vllm_allgather_bench(
 
     from vllm import LLM
 
+    from kmesh.compute.config import ModelConfig
     from kmesh.compute.fingerprint import model_fingerprint
     from kmesh.compute.loader import load_tokenizer, resolve_model_dir
     from kmesh.vllm.config import (
@@ -307,9 +308,7 @@ def run_vllm_allgather_bench(
 
     path = resolve_model_dir(model)
     hf = json.loads((Path(path) / "config.json").read_text())
-    heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
-    head_dim = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    kv_bytes_per_token = 2 * hf["num_hidden_layers"] * heads * head_dim * 4  # float32
+    kv_bytes_per_token = ModelConfig.from_hf(hf).kv_bytes_per_token("float32")
     progress("starting vLLM with KMeshConnector")
     longest = max(len(t.prompt.token_ids) for t in turns) + cfg.greedy_tokens
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size

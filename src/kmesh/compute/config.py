@@ -6,8 +6,9 @@ from typing import Any
 
 from kmesh.errors import ModelNotFoundError
 
-# The dtypes KMesh computes a model in, on either engine (recovery runs in both).
-DTYPES = ("float32", "bfloat16")
+# The dtypes KMesh computes a model in, on either engine (recovery runs in both), and their bytes.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPES = tuple(DTYPE_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """One token's K and V over every layer, in `dtype` (one of DTYPES)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
