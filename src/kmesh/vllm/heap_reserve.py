@@ -18,8 +18,8 @@ never more than a quarter of the memory available when the worker starts.
 """
 
 import logging
-import os
 
+import psutil
 import torch
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,8 @@ def warm(nbytes: int) -> int:
 
 
 def _resident() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(psutil.Process().memory_info().rss)
 
 
 def _available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+    return int(psutil.virtual_memory().available)
