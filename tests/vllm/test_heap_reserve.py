@@ -11,7 +11,8 @@ import torch
 
 from kmesh.vllm import heap_reserve
 from kmesh.vllm.config import ALLOCATOR_ENV
-from kmesh.vllm.connector import KMeshConnector
+from kmesh.vllm.connector import KMeshConnector, heap_reserve_setting
+from kmesh.vllm.layout import BlockLayout
 
 # Cold allocation (64 MiB written) as the control, then a 256 MiB reserve, then 192 MiB written.
 PROBE = """
@@ -75,3 +76,19 @@ def test_the_connector_writes_the_reserve_once_vllm_registers_its_kv_cache(monke
         connector = SimpleNamespace(_worker_side=worker, _heap_reserve=given)
         KMeshConnector.register_kv_caches(connector, caches)  # type: ignore[arg-type]
         assert warmed.pop() == written  # by default half the cache's 6 MiB
+
+
+def test_an_engine_that_cannot_recover_writes_no_reserve_unless_one_is_given():
+    layout = BlockLayout(("model.layers.0.self_attn.attn",), 32, 4096, torch.float32, "cpu")
+
+    def transfer(**extra):
+        return SimpleNamespace(get_from_extra_config=lambda name, default: extra.get(name, default))
+
+    def parallel(worker_cls):
+        return SimpleNamespace(worker_cls=worker_cls, worker_extension_cls="")
+
+    kmesh, plain = parallel("kmesh.vllm.worker.KMeshWorker"), parallel("auto")
+    assert heap_reserve_setting(transfer(), kmesh, layout) is None  # the default, sized later
+    assert heap_reserve_setting(transfer(), plain, layout) == 0  # recovery refused: no reserve
+    assert heap_reserve_setting(transfer(heap_reserve_bytes=7 << 20), plain, layout) == 7 << 20
+    assert heap_reserve_setting(transfer(heap_reserve_bytes="0"), kmesh, layout) == 0

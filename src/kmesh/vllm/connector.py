@@ -12,8 +12,8 @@ With a store, the scheduler role has it make as many segments of a block's size 
 cache has blocks (`prefault_blocks` in the extra config; 0: none) and faults them in at start, as
 vLLM touches its own KV cache, so that publishing writes memory already there (store/tier.py).
 The worker role likewise writes a heap reserve once when the KV cache is registered
-(`heap_reserve_bytes`; default half the cache, 0: none; heap_reserve.py), so that recovery's
-buffers reuse memory the process holds.
+(`heap_reserve_bytes`; default half the cache, or none where the engine cannot recover; 0: none;
+heap_reserve.py), so that recovery's buffers reuse memory the process holds.
 Without a store it only reports per-request stats (and recovers, if asked). Recovery needs
 `--worker-cls kmesh.vllm.worker.KMeshWorker`: without it the scheduler role warns once at start
 and refuses every recovery, saying why (recovery_support.py). Each finished
@@ -81,11 +81,9 @@ class KMeshConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = WorkerSide(store, layout)
-            transfer = self._kv_transfer_config
-            # None: heap_reserve.default_reserve, once the KV cache is allocated.
-            self._heap_reserve: int | None = None
-            if transfer.get_from_extra_config("heap_reserve_bytes", None) is not None:
-                self._heap_reserve = extra_count(transfer, "heap_reserve_bytes", 0)
+            self._heap_reserve = heap_reserve_setting(
+                self._kv_transfer_config, vllm_config.parallel_config, layout
+            )
 
     # -- worker role ---------------------------------------------------------------------
 
@@ -229,3 +227,13 @@ class KMeshConnector(KVConnectorBase_V1):
     def _worker_side(self) -> WorkerSide:
         assert self._worker is not None, "a worker-role call on the scheduler connector"
         return self._worker
+
+
+def heap_reserve_setting(transfer: Any, parallel_config: Any, layout: BlockLayout) -> int | None:
+    """The worker's heap reserve in bytes from vLLM's KVTransferConfig: `heap_reserve_bytes` when
+    given; else 0 where this engine cannot recover (the reserve is for recovery's buffers:
+    recovery_support.py), None (heap_reserve.default_reserve, once the KV cache is allocated)
+    where it can."""
+    if transfer.get_from_extra_config("heap_reserve_bytes", None) is not None:
+        return extra_count(transfer, "heap_reserve_bytes", 0)
+    return 0 if recovery_unavailable(parallel_config, layout) is not None else None
