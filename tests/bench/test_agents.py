@@ -6,6 +6,7 @@ import pytest
 
 from kmesh.bench.agents import kmesh_serve_options, run_agents_bench
 from kmesh.bench.agents_config import STRATEGIES, AgentsBenchConfig
+from kmesh.bench.agents_report import plot
 from kmesh.bench.agents_requests import RunNames, request_body
 from kmesh.bench.agents_summary import _kv_pages, _max_under_slo, agents_report
 from kmesh.cli import build_parser
@@ -182,3 +183,30 @@ def test_a_bench_it_cannot_run_is_refused_with_what_to_change():
         AgentsBenchConfig(repeats=0)
     with pytest.raises(InvalidRequestError, match="--dtype must be one of float32, bfloat16"):
         AgentsBenchConfig(dtype="float16")
+
+
+def test_the_plot_draws_makespan_and_ttft_per_strategy_with_the_slo(tmp_path):
+    def run(makespans, p99s):
+        return {
+            "by_agents": {
+                str(n): {"makespan_s": m, "ttft_p99_s": t}
+                for n, m, t in zip((4, 12, 24), makespans, p99s, strict=True)
+            }
+        }
+
+    result = {
+        "config": {
+            "workload": "allgather",
+            "rounds": 3,
+            "engine": "vllm",
+            "dtype": "float32",
+            "slo_ttft_s": 10.0,
+        },
+        "strategies": {
+            "vllm": run([11, 38, 131], [1.6, 12, 56]),
+            "c": run([10, 17, 44], [2, 3, 10]),
+        },
+    }
+    path = tmp_path / "agents.png"
+    plot(result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from rich.console import Console
 
-from kmesh.bench.common import report_table
+from kmesh.bench.common import agents_axis, report_table
 
 HEADER = (
     "strategy",
@@ -108,9 +108,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes.plot(agents, new, "k--", label="new tokens of the round")
         axes.plot(agents, [result["limit"] * n for n in new], "k:", label=f"{result['limit']}x new")
     cfg = result["config"]
-    axes.set_xscale("log", base=2)
+    agents_axis(
+        axes, (r["agents"] for s in result["strategies"].values() for r in s.get("runs", []))
+    )
     axes.set_yscale("log")
-    axes.set_xlabel("agents")
     axes.set_ylabel("computed tokens per round (rounds 2..R, mean)")
     axes.set_title(f"{cfg['workload']}: budget {cfg['budget_mib']} MiB for every strategy")
     axes.legend(fontsize=8)

@@ -1,10 +1,11 @@
 """What every bench shares: the hardware line its JSON report carries, its tables and the console
-they print to, and nearest-rank quantiles."""
+they print to, nearest-rank quantiles, and the agents axis of its plots."""
 
 import os
 import platform
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -43,3 +44,13 @@ def quantile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def agents_axis(axes: Any, counts: Iterable[int]) -> None:
+    """A plot's x axis of agent counts (matplotlib Axes): log 2, a tick labelled at every count
+    run (12 or 24 read as themselves, not between powers of two)."""
+    ticks = sorted(set(counts))
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(ticks, [str(n) for n in ticks])
+    axes.minorticks_off()
+    axes.set_xlabel("agents")
