@@ -79,6 +79,7 @@ class KMeshConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 store, layout, model, unavailable, finished_tails, prefault
             )
+            self._scheduler.warm()
         else:
             self._worker = WorkerSide(store, layout)
             self._heap_reserve = heap_reserve_setting(

@@ -80,6 +80,11 @@ class SchedulerSide:
 
     # -- vLLM's scheduler calls, forwarded by the connector ----------------------------------
 
+    def warm(self) -> None:
+        """Load now what the first request would otherwise load inside vLLM's schedule call:
+        the tokenizer its segments are spelt with (RequestTracker.warm)."""
+        self._tracker.warm()
+
     def bind_block_ids(self, get_block_ids: Any) -> None:
         """vLLM's KVCacheManager.get_block_ids: a request's block ids, per KV cache group."""
         self._block_ids = get_block_ids
