@@ -78,12 +78,12 @@ class SchedulerSide:
         self._finished: list[tuple[dict[str, Any], int]] = []
         self._block_ids: Any = None  # KVCacheManager.get_block_ids, bound by the connector
 
-    # -- vLLM's scheduler calls, forwarded by the connector ----------------------------------
-
     def warm(self) -> None:
         """Load now what the first request would otherwise load inside vLLM's schedule call:
         the tokenizer its segments are spelt with (RequestTracker.warm)."""
         self._tracker.warm()
+
+    # -- vLLM's scheduler calls, forwarded by the connector ----------------------------------
 
     def bind_block_ids(self, get_block_ids: Any) -> None:
         """vLLM's KVCacheManager.get_block_ids: a request's block ids, per KV cache group."""
