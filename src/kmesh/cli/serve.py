@@ -47,22 +47,10 @@ def _serve(args: argparse.Namespace) -> None:
         from kmesh.store.server import parse_size
 
         recovery_bytes = parse_size(args.recovery_bytes, "--recovery-bytes")
-    kv_cache_bytes = None
-    if args.kv_cache is not None:
-        from kmesh.store.server import parse_size
-
-        if args.engine != "vllm":
-            raise InvalidRequestError("--kv-cache sizes vLLM's KV cache: it needs --engine vllm")
-        kv_cache_bytes = parse_size(args.kv_cache, "--kv-cache")
-    heap_reserve_bytes = None
-    if args.heap_reserve is not None:
-        from kmesh.store.server import parse_size
-
-        if args.engine != "vllm":
-            raise InvalidRequestError(
-                "--heap-reserve sizes vLLM's worker's heap reserve: it needs --engine vllm"
-            )
-        heap_reserve_bytes = parse_size(args.heap_reserve, "--heap-reserve", least=0)
+    kv_cache_bytes = _vllm_size(args, args.kv_cache, "--kv-cache", "vLLM's KV cache")
+    heap_reserve_bytes = _vllm_size(
+        args, args.heap_reserve, "--heap-reserve", "vLLM's worker's heap reserve", least=0
+    )
     if args.dtype is not None and args.engine != "vllm":
         raise InvalidRequestError(
             "--dtype picks vLLM's dtype: it needs --engine vllm (the reference engine computes "
@@ -128,6 +116,19 @@ def _listen(host: str, port: int) -> socket.socket:
         raise InvalidRequestError(
             f"cannot listen on {host}:{port} ({reason}): pick another --port or --host"
         ) from None
+
+
+def _vllm_size(
+    args: argparse.Namespace, value: str | None, flag: str, what: str, least: int = 1
+) -> int | None:
+    """A size option only `--engine vllm` takes, in bytes (None when not given)."""
+    if value is None:
+        return None
+    from kmesh.store.server import parse_size
+
+    if args.engine != "vllm":
+        raise InvalidRequestError(f"{flag} sizes {what}: it needs --engine vllm")
+    return parse_size(value, flag, least=least)
 
 
 def register(commands: Commands) -> None:
