@@ -1,15 +1,15 @@
 """`make demo`: one generation, then a small All-Gather council prefilled four ways.
 
 4 agents, 2 rounds on the embedded model: the trace is generated, then replayed by full prefill,
-exact prefix reuse, per-request recovery and collective recovery (bench/allgather.py), with the
+exact prefix reuse, per-request recovery and collective recovery (bench/allgather/run.py), with the
 default policy. Prints the table and writes report.md with plots.
 """
 
 from pathlib import Path
 
-from kmesh.bench.allgather import run_allgather_bench
-from kmesh.bench.allgather_config import AllGatherBenchConfig
-from kmesh.bench.allgather_report import print_table, write_report
+from kmesh.bench.allgather.config import AllGatherBenchConfig
+from kmesh.bench.allgather.report import print_table, write_report
+from kmesh.bench.allgather.run import run_allgather_bench
 from kmesh.bench.common import report_console
 from kmesh.compute.loader import load_model
 from kmesh.engine.engine import Engine

@@ -4,11 +4,11 @@ summary's rules without a server."""
 
 import pytest
 
-from kmesh.bench.agents import kmesh_serve_options, run_agents_bench
-from kmesh.bench.agents_config import STRATEGIES, AgentsBenchConfig
-from kmesh.bench.agents_report import plot
-from kmesh.bench.agents_requests import RunNames, request_body
-from kmesh.bench.agents_summary import _kv_pages, _max_under_slo, agents_report
+from kmesh.bench.agents.config import STRATEGIES, AgentsBenchConfig
+from kmesh.bench.agents.report import plot
+from kmesh.bench.agents.requests import RunNames, request_body
+from kmesh.bench.agents.run import kmesh_serve_options, run_agents_bench
+from kmesh.bench.agents.summary import _kv_pages, _max_under_slo, agents_report
 from kmesh.cli import build_parser
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.agent_chats import AgentChats
@@ -118,7 +118,8 @@ def test_an_agent_count_holds_the_slo_only_with_every_smaller_one():
 
 
 def fake_run(makespans: list[float], text: str = "yes") -> dict:
-    """A strategy's run at 2 agents, as bench/agents.py records it, with these round makespans."""
+    """A strategy's run at 2 agents, as bench/agents/run.py records it, with these round
+    makespans."""
     return {
         "rounds": [
             {

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from kmesh.bench.allgather import AllGatherBench
-from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
+from kmesh.bench.allgather.config import STRATEGIES, AllGatherBenchConfig
+from kmesh.bench.allgather.run import AllGatherBench
 from kmesh.recovery import quality
 from kmesh.recovery.quality import Calibration
 from tests.conftest import synthetic_allgather_turns

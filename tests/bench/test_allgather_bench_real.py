@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kmesh.bench.allgather import AllGatherBench
-from kmesh.bench.allgather_config import AllGatherBenchConfig
+from kmesh.bench.allgather.config import AllGatherBenchConfig
+from kmesh.bench.allgather.run import AllGatherBench
 from kmesh.engine.engine import Engine
 from kmesh.workloads.allgather import AllGatherConfig, generate_trace
 from tests.conftest import run_kmesh

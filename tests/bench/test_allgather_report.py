@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kmesh.bench.allgather_report import TOKEN_LAYERS, print_table, write_report
+from kmesh.bench.allgather.report import TOKEN_LAYERS, print_table, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HARDWARE = "2-core x86_64 CPU, no GPU, torch 2.13.0 (fp32)"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kmesh.bench.allgather_config import STRATEGIES
+from kmesh.bench.allgather.config import STRATEGIES
 from kmesh.workloads.trace import load_trace, save_trace
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]

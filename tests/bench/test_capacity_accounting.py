@@ -1,6 +1,6 @@
 """The capacity bench's own arithmetic: an ideal prefix cache, the agent counts within a limit."""
 
-from kmesh.bench.capacity_accounting import ideal_prefix_cache, max_agents
+from kmesh.bench.capacity.accounting import ideal_prefix_cache, max_agents
 from kmesh.state.segments import Role, Segment, SegmentedPrompt
 from kmesh.workloads.allgather import AgentTurn
 

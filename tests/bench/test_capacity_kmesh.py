@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from kmesh.bench.capacity_kmesh import GroupStateRun
-from kmesh.bench.capacity_store import RoundStats
+from kmesh.bench.capacity.kmesh import GroupStateRun
+from kmesh.bench.capacity.store import RoundStats
 from kmesh.recovery.recover import RecoveryConfig
 from kmesh.workloads.allgather import group_rounds
 from tests.conftest import synthetic_allgather_turns

@@ -1,8 +1,7 @@
 """The closed loop's plumbing: outputs feed the next round, the summary's arithmetic, and the
 reference engine's driver on the tiny model (exact recovery gives full prefill's outputs)."""
 
-from kmesh.bench.allgather_config import STRATEGIES, AllGatherBenchConfig
-from kmesh.bench.closed_loop import (
+from kmesh.bench.allgather.closed_loop import (
     Said,
     closed_loop_summary,
     computed_of,
@@ -10,6 +9,7 @@ from kmesh.bench.closed_loop import (
     reference_closed_loop,
     run_closed_loop,
 )
+from kmesh.bench.allgather.config import STRATEGIES, AllGatherBenchConfig
 from kmesh.workloads.allgather import AllGatherConfig
 
 END = 2  # the tiny model's end of sequence, standing for <|im_end|>

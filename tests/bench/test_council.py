@@ -3,7 +3,7 @@ against `kmesh serve --engine reference`, exact and with --reuse-messages."""
 
 import pytest
 
-from kmesh.bench.council import CouncilConfig, client_python, run_council
+from kmesh.bench.council.run import CouncilConfig, client_python, run_council
 from kmesh.serve.process import start_kmesh_serve
 
 pytestmark = pytest.mark.model

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from kmesh.bench.allgather_summary import StrategyRun, signal_rows
-from kmesh.bench.divergence_signals import fit, score, top1_margin
+from kmesh.bench.allgather.summary import StrategyRun, signal_rows
+from kmesh.bench.signals.divergence import fit, score, top1_margin
 from tests.conftest import run_kmesh
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kmesh.bench.fork import ForkBenchConfig, run_fork_bench
+from kmesh.bench.fork.run import ForkBenchConfig, run_fork_bench
 from tests.conftest import run_kmesh
 
 ATOL = 1e-4  # the tiny model's executor tolerance (tests/compute/test_executor_tiny.py)

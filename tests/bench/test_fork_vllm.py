@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kmesh.bench.fork import ForkBenchConfig, ideal_prompt_tokens
-from kmesh.bench.fork_vllm import STRATEGIES
+from kmesh.bench.fork.run import ForkBenchConfig, ideal_prompt_tokens
+from kmesh.bench.fork.vllm import STRATEGIES
 from tests.conftest import run_kmesh
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from kmesh.bench.allgather import AllGatherBench
-from kmesh.bench.allgather_config import AllGatherBenchConfig
-from kmesh.bench.closed_loop import reference_closed_loop
-from kmesh.bench.frontier import (
+from kmesh.bench.allgather.closed_loop import reference_closed_loop
+from kmesh.bench.allgather.config import AllGatherBenchConfig
+from kmesh.bench.allgather.frontier import (
     ANCHORS,
     POINTS,
     Point,
@@ -21,7 +20,8 @@ from kmesh.bench.frontier import (
     pareto,
     run_frontier,
 )
-from kmesh.bench.frontier_report import below_lines, frontier_rows, plot_frontier
+from kmesh.bench.allgather.frontier_report import below_lines, frontier_rows, plot_frontier
+from kmesh.bench.allgather.run import AllGatherBench
 from kmesh.engine.engine import Engine
 from tests.bench.test_closed_loop import WORKLOAD, ByteTokenizer
 from tests.cli.test_cli import kmesh_in_process

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kmesh.bench.load import KEY_A, ExchangeResult, LoadConfig, report, slope_per_minute
+from kmesh.bench.load.run import KEY_A, ExchangeResult, LoadConfig, report, slope_per_minute
 from kmesh.workloads.serve_traffic import PLAIN_KINDS, next_exchange
 
 KEYS = ("key-a", "key-b")

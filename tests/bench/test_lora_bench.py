@@ -2,7 +2,7 @@
 
 import pytest
 
-from kmesh.bench.lora import LoraBench, LoraBenchConfig, run_lora_bench
+from kmesh.bench.lora.run import LoraBench, LoraBenchConfig, run_lora_bench
 from kmesh.compute.lora import load_adapter
 from kmesh.recovery.adapter_residual import ResidualConfig
 

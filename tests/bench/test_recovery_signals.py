@@ -1,10 +1,10 @@
-"""bench/recovery_signals.py on the tiny random Llama: the last token's attention mass on reused
+"""bench/signals/recovery.py on the tiny random Llama: the last token's attention mass on reused
 rows, and the probe that computes the last rows again."""
 
 import pytest
 import torch
 
-from kmesh.bench.recovery_signals import PROBE_ROWS, attention_mass, probe
+from kmesh.bench.signals.recovery import PROBE_ROWS, attention_mass, probe
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.compute.tiny import TINY_HF_CONFIG, random_state_dict

@@ -1,7 +1,7 @@
 """`kmesh bench restore` on the tiny model: restores everything stored, singleflight across
 engine processes (exactly one computes, the others restore, all outputs identical)."""
 
-from kmesh.bench.restore import TINY, run_restore_bench
+from kmesh.bench.restore.run import TINY, run_restore_bench
 from tests.conftest import run_kmesh
 
 

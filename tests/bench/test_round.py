@@ -1,8 +1,8 @@
 """`kmesh bench round` on the tiny model: every strategy timed, and each one's computed tokens
 what its recovery must compute (checked against the round's own arithmetic)."""
 
-from kmesh.bench.round import COLLECTIVE, build_round, run_round_bench
-from kmesh.bench.round_config import RoundBenchConfig
+from kmesh.bench.round.config import RoundBenchConfig
+from kmesh.bench.round.run import COLLECTIVE, build_round, run_round_bench
 
 CONFIG = RoundBenchConfig(siblings=3, segment_tokens=20, trunk_tokens=24, ask_tokens=5, repeats=1)
 

@@ -1,7 +1,7 @@
 """The requests the All-Gather bench's strategies send: what each declares."""
 
-from kmesh.bench.allgather_config import AllGatherBenchConfig
-from kmesh.bench.strategy_requests import strategy_request
+from kmesh.bench.allgather.config import AllGatherBenchConfig
+from kmesh.bench.allgather.strategy_requests import strategy_request
 from kmesh.state.request_meta import KMeshParams
 from kmesh.state.segments import Role, Segment, SegmentedPrompt
 from kmesh.workloads.allgather import AgentTurn, output_segment_id

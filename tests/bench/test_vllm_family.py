@@ -4,7 +4,7 @@ computes it once per instance; greedy outputs are identical."""
 
 import pytest
 
-from kmesh.bench.vllm_family import FamilyBenchConfig, run_family_bench
+from kmesh.bench.vllm_family.run import FamilyBenchConfig, run_family_bench
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 

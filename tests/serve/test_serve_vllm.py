@@ -12,9 +12,9 @@ import itertools
 import httpx
 import pytest
 
-from kmesh.bench.agents_client import send_chat
-from kmesh.bench.agents_config import AgentsBenchConfig
-from kmesh.bench.agents_requests import RunNames, request_body
+from kmesh.bench.agents.client import send_chat
+from kmesh.bench.agents.config import AgentsBenchConfig
+from kmesh.bench.agents.requests import RunNames, request_body
 from kmesh.bench.server_metrics import server_counters
 from kmesh.workloads.agent_chats import AgentChats
 from tests.serve.conftest import (

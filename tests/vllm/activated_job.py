@@ -2,7 +2,7 @@
 this needs a main guard): `python tests/vllm/activated_job.py OUT_DIR`. Writes OUT_DIR/result.json.
 
 Two agents, each under its own trained activated adapter, read one shared context through vLLM
-with KMeshConnector and a store (the bench's code path, bench/lora_vllm.py); the reference
+with KMeshConnector and a store (the bench's code path, bench/lora/vllm.py); the reference
 engine's own full prefill of each agent under its activated adapter is the reference. Then the
 same prompts under the plain adapters, under the same cache_salt: they must find no base state.
 """
@@ -19,8 +19,8 @@ def main(out_dir: Path) -> None:
     from vllm.lora.request import LoRARequest
 
     from kmesh.adapters.prepare import ensure_adapters
-    from kmesh.bench.lora import LoraBench, LoraBenchConfig
-    from kmesh.bench.lora_vllm import VllmLoraBench, start_lora_engine
+    from kmesh.bench.lora.run import LoraBench, LoraBenchConfig
+    from kmesh.bench.lora.vllm import VllmLoraBench, start_lora_engine
     from kmesh.bench.quality import next_token_kl
     from kmesh.compute.loader import load_model
     from kmesh.compute.lora import load_adapter

@@ -24,8 +24,8 @@ OUTPUT_TOKENS = 24
 def main(out_dir: Path, agent_ratio: float = 0.0) -> None:
     from vllm import LLM, SamplingParams
 
-    from kmesh.bench.allgather_config import AllGatherBenchConfig
-    from kmesh.bench.strategy_requests import strategy_request
+    from kmesh.bench.allgather.config import AllGatherBenchConfig
+    from kmesh.bench.allgather.strategy_requests import strategy_request
     from kmesh.store import StoreClient
     from kmesh.store.process import MasterProcess, start_store
     from kmesh.vllm.config import vllm_engine_kwargs

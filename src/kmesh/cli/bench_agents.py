@@ -13,9 +13,9 @@ from kmesh.cli.common import Commands
 
 
 def _bench_agents(args: argparse.Namespace) -> None:
-    from kmesh.bench.agents import run_agents_bench
-    from kmesh.bench.agents_config import AgentsBenchConfig
-    from kmesh.bench.agents_report import plot, print_report
+    from kmesh.bench.agents.config import AgentsBenchConfig
+    from kmesh.bench.agents.report import plot, print_report
+    from kmesh.bench.agents.run import run_agents_bench
 
     cfg = config_from_args(
         AgentsBenchConfig,
@@ -28,7 +28,7 @@ def _bench_agents(args: argparse.Namespace) -> None:
 
 
 def register(benches: Commands) -> None:
-    from kmesh.bench.agents_config import ENGINES, AgentsBenchConfig
+    from kmesh.bench.agents.config import ENGINES, AgentsBenchConfig
     from kmesh.compute.config import DTYPES
     from kmesh.workloads.agent_chats import WORKLOADS
     from kmesh.workloads.allgather import ORDERS

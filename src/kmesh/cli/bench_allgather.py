@@ -1,6 +1,6 @@
 """`kmesh bench allgather`: an All-Gather trace prefilled four ways (full, prefix, per-request,
-collective recovery) on the reference engine (bench/allgather.py) or vLLM with KMeshConnector
-(bench/allgather_vllm.py: it replays a trace and takes no --scale or --report)."""
+collective recovery) on the reference engine (bench/allgather/run.py) or vLLM with KMeshConnector
+(bench/allgather/vllm.py: it replays a trace and takes no --scale or --report)."""
 
 import argparse
 from dataclasses import replace
@@ -13,10 +13,10 @@ from kmesh.errors import InvalidRequestError
 
 
 def _bench_allgather(args: argparse.Namespace) -> None:
-    from kmesh.bench.allgather import run_allgather_bench
-    from kmesh.bench.allgather_config import RECOVERY_FIELDS, AllGatherBenchConfig
-    from kmesh.bench.allgather_report import write_report
-    from kmesh.bench.closed_loop import Loops, plain_loops, reference_closed_loop
+    from kmesh.bench.allgather.closed_loop import Loops, plain_loops, reference_closed_loop
+    from kmesh.bench.allgather.config import RECOVERY_FIELDS, AllGatherBenchConfig
+    from kmesh.bench.allgather.report import write_report
+    from kmesh.bench.allgather.run import run_allgather_bench
     from kmesh.compute.loader import load_model
     from kmesh.engine.engine import Engine
     from kmesh.workloads.allgather import AllGatherConfig, generate_trace
@@ -100,9 +100,9 @@ def _bench_allgather(args: argparse.Namespace) -> None:
 
 def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """The table, the JSON and, with --plot, the frontier's plot."""
-    from kmesh.bench.allgather_report import print_table
+    from kmesh.bench.allgather.frontier_report import plot_frontier
+    from kmesh.bench.allgather.report import print_table
     from kmesh.bench.common import report_console
-    from kmesh.bench.frontier_report import plot_frontier
 
     print_table(report, report_console())
     write_json(args.json, report)
@@ -114,7 +114,7 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
 def _bench_allgather_vllm(
     args: argparse.Namespace, cfg: Any, workload: Any, trace: tuple[str, Any] | None
 ) -> None:
-    from kmesh.bench.allgather_vllm import run_vllm_allgather_bench
+    from kmesh.bench.allgather.vllm import run_vllm_allgather_bench
     from kmesh.compute.fingerprint import model_fingerprint
     from kmesh.compute.loader import resolve_model_dir
 
@@ -224,14 +224,14 @@ def register(benches: Commands) -> None:
         "--closed-loop",
         action="store_true",
         help="also run each strategy's council on its own generated outputs and compare them "
-        "with full prefill's (bench/closed_loop.py)",
+        "with full prefill's (bench/allgather/closed_loop.py)",
     )
     gather.add_argument(
         "--frontier",
         action="store_true",
         help="also sweep each approximate strategy over its budget knobs, open and closed loop, "
         "and report each one's frontier of computed tokens against outputs identical to full "
-        "prefill's (bench/frontier.py; 13 closed loops more)",
+        "prefill's (bench/allgather/frontier.py; 13 closed loops more)",
     )
     gather.add_argument("--report", default=None, help="folder for report.md and plots")
     gather.add_argument(

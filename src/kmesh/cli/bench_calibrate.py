@@ -1,6 +1,7 @@
 """`kmesh bench calibrate`: the frontier sweeps of `kmesh bench allgather --frontier` on several
-traces, reduced to each setting's worst figures over them (bench/frontier.py::calibration_rows):
-the table kmesh/recovery/quality.py's calibrations are copied from."""
+traces, reduced to each setting's worst figures over them
+(bench/allgather/frontier.py::calibration_rows): the table kmesh/recovery/quality.py's
+calibrations are copied from."""
 
 import argparse
 import json
@@ -12,8 +13,8 @@ from kmesh.errors import InvalidRequestError
 
 
 def _bench_calibrate(args: argparse.Namespace) -> None:
-    from kmesh.bench.frontier import calibration_rows
-    from kmesh.bench.frontier_report import print_calibration
+    from kmesh.bench.allgather.frontier import calibration_rows
+    from kmesh.bench.allgather.frontier_report import print_calibration
 
     frontiers, models = [], set()
     for part in filter(None, args.frontiers.split(",")):

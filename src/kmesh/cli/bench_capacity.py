@@ -13,8 +13,8 @@ from kmesh.cli.common import Commands
 
 
 def _bench_capacity(args: argparse.Namespace) -> None:
-    from kmesh.bench.capacity import CapacityConfig, run_capacity_bench
-    from kmesh.bench.capacity_report import plot, print_report
+    from kmesh.bench.capacity.report import plot, print_report
+    from kmesh.bench.capacity.run import CapacityConfig, run_capacity_bench
 
     cfg = config_from_args(CapacityConfig, args)
     log = progress()
@@ -23,7 +23,7 @@ def _bench_capacity(args: argparse.Namespace) -> None:
 
 
 def register(benches: Commands) -> None:
-    from kmesh.bench.capacity import CapacityConfig
+    from kmesh.bench.capacity.run import CapacityConfig
     from kmesh.workloads.allgather import ORDERS
 
     default = CapacityConfig()

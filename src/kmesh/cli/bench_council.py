@@ -9,8 +9,8 @@ from kmesh.state.request_meta import check_quality_target
 
 
 def _bench_council(args: argparse.Namespace) -> None:
-    from kmesh.bench.council import CouncilConfig, client_python, run_council_bench
-    from kmesh.bench.council_report import plot, print_report
+    from kmesh.bench.council.report import plot, print_report
+    from kmesh.bench.council.run import CouncilConfig, client_python, run_council_bench
 
     cfg = config_from_args(CouncilConfig, args)
     python = client_python(args.client_python)

@@ -1,5 +1,5 @@
 """`kmesh bench fork`: best-of-N, chain-of-thought and tree search, independent vs prefix cache
-vs fork (bench/fork.py; bench/fork_vllm.py with --engine vllm)."""
+vs fork (bench/fork/run.py; bench/fork/vllm.py with --engine vllm)."""
 
 import argparse
 
@@ -9,7 +9,7 @@ from kmesh.errors import InvalidRequestError
 
 
 def _bench_fork(args: argparse.Namespace) -> None:
-    from kmesh.bench.fork import ForkBenchConfig, print_report, run_fork_bench
+    from kmesh.bench.fork.run import ForkBenchConfig, print_report, run_fork_bench
     from kmesh.compute.loader import load_model
 
     cfg = config_from_args(ForkBenchConfig, args)
@@ -22,7 +22,7 @@ def _bench_fork(args: argparse.Namespace) -> None:
             f"({model.config.max_position})"
         )
     if args.engine == "vllm":
-        from kmesh.bench.fork_vllm import print_vllm_report, run_vllm_fork_bench
+        from kmesh.bench.fork.vllm import print_vllm_report, run_vllm_fork_bench
 
         report = run_vllm_fork_bench(cfg, args.model, progress=log)
         emit_report(args, report, print_vllm_report)

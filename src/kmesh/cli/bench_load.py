@@ -7,8 +7,8 @@ from kmesh.cli.common import Commands
 
 
 def _bench_load(args: argparse.Namespace) -> None:
-    from kmesh.bench.load import LoadConfig, run_load_bench
-    from kmesh.bench.load_report import plot, print_report
+    from kmesh.bench.load.report import plot, print_report
+    from kmesh.bench.load.run import LoadConfig, run_load_bench
 
     cfg = config_from_args(LoadConfig, args)
     log = progress()

@@ -1,5 +1,5 @@
 """`kmesh bench lora`: agents with their own adapters over one context, exact vs activated vs
-residual (bench/lora.py; bench/lora_vllm.py with --engine vllm)."""
+residual (bench/lora/run.py; bench/lora/vllm.py with --engine vllm)."""
 
 import argparse
 from pathlib import Path
@@ -12,8 +12,8 @@ from kmesh.errors import InvalidRequestError
 def _bench_lora(args: argparse.Namespace) -> None:
     from kmesh.adapters.prepare import ensure_adapters
     from kmesh.bench.common import report_console
-    from kmesh.bench.lora import LoraBench, LoraBenchConfig, run_lora_bench
-    from kmesh.bench.lora_report import plot, print_report
+    from kmesh.bench.lora.report import plot, print_report
+    from kmesh.bench.lora.run import LoraBench, LoraBenchConfig, run_lora_bench
     from kmesh.compute.loader import load_model
     from kmesh.compute.lora import load_adapter
     from kmesh.recovery.adapter_residual import ResidualConfig
@@ -40,7 +40,7 @@ def _bench_lora(args: argparse.Namespace) -> None:
     log(f"the shared context ({cfg.context_tokens} tokens: written once, then cached)")
     bench = LoraBench(model, plain, activated, cfg)
     if args.engine == "vllm":
-        from kmesh.bench.lora_vllm import run_vllm_lora_bench
+        from kmesh.bench.lora.vllm import run_vllm_lora_bench
 
         result = run_vllm_lora_bench(bench, plain_dirs, activated_dirs, args.model, progress=log)
     else:

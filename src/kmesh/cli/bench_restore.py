@@ -1,5 +1,5 @@
 """`kmesh bench restore`: restoring keyed state from a store vs recomputing it; singleflight
-(bench/restore.py)."""
+(bench/restore/run.py)."""
 
 import argparse
 
@@ -9,7 +9,7 @@ from kmesh.errors import InvalidRequestError
 
 
 def _bench_restore(args: argparse.Namespace) -> None:
-    from kmesh.bench.restore import print_restore, run_restore_bench
+    from kmesh.bench.restore.run import print_restore, run_restore_bench
 
     try:
         sizes = [int(part) for part in args.tokens.split(",")]

@@ -1,10 +1,10 @@
 """`kmesh bench round`: one All-Gather round's collective recovery against prefilling it, on the
-CPU or a GPU (bench/round.py)."""
+CPU or a GPU (bench/round/run.py)."""
 
 import argparse
 from typing import TYPE_CHECKING
 
-from kmesh.bench.round_config import RoundBenchConfig
+from kmesh.bench.round.config import RoundBenchConfig
 from kmesh.cli.bench_common import (
     add_bench_options,
     add_config_flag,
@@ -39,7 +39,7 @@ def _device(name: str) -> "torch.device":
 def _bench_round(args: argparse.Namespace) -> None:
     import torch
 
-    from kmesh.bench.round import print_round, run_round_bench
+    from kmesh.bench.round.run import print_round, run_round_bench
     from kmesh.compute.config import ModelConfig
     from kmesh.compute.executor import Executor
     from kmesh.compute.loader import load_model

@@ -1,6 +1,6 @@
 """`kmesh bench signals`: how well signals seen at recovery time (the recovered state's top-1
 margin, the gate's deviation) predict a diverging output, fitted on some All-Gather bench JSONs
-and scored on others (bench/divergence_signals.py)."""
+and scored on others (bench/signals/divergence.py)."""
 
 import argparse
 import json
@@ -30,7 +30,7 @@ def _reports(flag: str, text: str) -> dict[str, dict[str, Any]]:
 
 
 def _bench_signals(args: argparse.Namespace) -> None:
-    from kmesh.bench.divergence_signals import print_signals, signals_report
+    from kmesh.bench.signals.divergence import print_signals, signals_report
 
     fit_on, test_on = _reports("--fit", args.fit), _reports("--test", args.test)
     if {Path(p).resolve() for p in fit_on} & {Path(p).resolve() for p in test_on}:

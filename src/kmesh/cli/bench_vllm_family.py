@@ -1,5 +1,5 @@
 """`kmesh bench vllm-family`: one family over several vLLM instances sharing a store, against
-vanilla vLLM (bench/vllm_family.py)."""
+vanilla vLLM (bench/vllm_family/run.py)."""
 
 import argparse
 
@@ -8,7 +8,7 @@ from kmesh.cli.common import Commands
 
 
 def _bench_vllm_family(args: argparse.Namespace) -> None:
-    from kmesh.bench.vllm_family import FamilyBenchConfig, print_family, run_family_bench
+    from kmesh.bench.vllm_family.run import FamilyBenchConfig, print_family, run_family_bench
 
     config = config_from_args(FamilyBenchConfig, args)
     log = progress()
