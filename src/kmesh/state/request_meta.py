@@ -45,10 +45,26 @@ class SegmentSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    text: str | None = Field(default=None, min_length=1)
-    token_ids: list[int] | None = Field(default=None, min_length=1)
-    role: Literal["shared", "private", "instruction"] = "private"
-    id: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    text: str | None = Field(
+        default=None, min_length=1, description="The segment's text (or give `token_ids`)."
+    )
+    token_ids: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        description="The segment's token ids, tokenized by the caller (or give `text`).",
+    )
+    role: Literal["shared", "private", "instruction"] = Field(
+        default="private",
+        description="`shared`: text other requests also hold (the leading shared segments are "
+        "the family's trunk; recovery may reuse their KV); `private`: this request's own; "
+        "`instruction`: the request's closing instruction (computed exactly).",
+    )
+    id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        description="The segment's name: a recovery round names its output segments by it.",
+    )
 
     @model_validator(mode="after")
     def _text_or_tokens(self) -> "SegmentSpec":
@@ -64,9 +80,17 @@ class MessageSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
-    # Default: system messages shared, the others private.
-    role: Literal["shared", "private", "instruction"] | None = None
+    id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        description="The message's segment id (a recovery round names it).",
+    )
+    role: Literal["shared", "private", "instruction"] | None = Field(
+        default=None,
+        description="The message's segment role (as a segment's `role`); absent: system "
+        "messages shared, the others private.",
+    )
 
 
 class RoundSpec(BaseModel):
@@ -76,13 +100,30 @@ class RoundSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    segments: list[str] = Field(min_length=1)
-    # Where the round's master comes from (kmesh/recovery/collective.py): "sibling", the round's
-    # first sibling computed exactly; "common", the outputs recovered after the family's common
-    # context, recomputing `shared_ratio` of them (1.0: computed in full).
-    master: Literal["sibling", "common"] = "sibling"
-    shared_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    id: str = Field(
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        description="The round's id: every sibling of the round sends the same one.",
+    )
+    segments: list[str] = Field(
+        min_length=1,
+        description="The ids of the round's output segments, in the same (canonical) order for "
+        "every sibling; each must be a segment (or message) id of this request.",
+    )
+    # kmesh/recovery/collective.py builds the master.
+    master: Literal["sibling", "common"] = Field(
+        default="sibling",
+        description="Where the round's master comes from: `sibling`, the round's first sibling "
+        "computed exactly; `common`, the outputs recovered after the family's common context, "
+        "recomputing `shared_ratio` of them.",
+    )
+    shared_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="With master `common`: the share of the outputs recomputed (1.0: computed "
+        "in full).",
+    )
 
 
 class RecoverySpec(BaseModel):
@@ -101,15 +142,48 @@ class RecoverySpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: Literal["none", "full", "kv_deviation", "first_k", "random"] = "full"
-    ratio: float = Field(default=0.3, ge=0.0, le=1.0)
-    gate: float | None = Field(default=0.1, ge=0.0)
-    check_layer: int = Field(default=1, ge=1)
-    # Share of the reused tokens the gate checks when the policy scores none (ratio 0, first_k,
-    # random, none), at most 64 per region below 1.0: kmesh/recovery/recover.py.
-    gate_sample: float = Field(default=0.125, gt=0.0, le=1.0)
-    round: RoundSpec | None = None
-    quality: str | None = None  # "exact", "greedy" or "kl:<x>"
+    policy: Literal["none", "full", "kv_deviation", "first_k", "random"] = Field(
+        default="full",
+        description="Which reused tokens are recomputed: `full` all of them (exact up to float "
+        "rounding); `kv_deviation` those whose keys at `check_layer` deviate most from the "
+        "reused ones (CacheBlend); `first_k` the first ones of every reused segment (EPIC); "
+        "`random` random ones; `none` none. Every policy but `full` is approximate.",
+    )
+    ratio: float = Field(
+        default=0.3,
+        ge=0.0,
+        le=1.0,
+        description="Share of the reused tokens recomputed (ignored by `full` and `none`).",
+    )
+    gate: float | None = Field(
+        default=0.1,
+        ge=0.0,
+        description="A region whose mean relative key deviation at `check_layer` exceeds this "
+        "is left to the engine's own prefill (null: no gate).",
+    )
+    check_layer: int = Field(
+        default=1,
+        ge=1,
+        description="The layer whose keys `kv_deviation` and the gate compare (layer 0 cannot "
+        "deviate).",
+    )
+    # kmesh/recovery/recover.py: GATE_SAMPLE_MAX.
+    gate_sample: float = Field(
+        default=0.125,
+        gt=0.0,
+        le=1.0,
+        description="Share of the reused tokens the gate checks when the policy scores none "
+        "(ratio 0, `first_k`, `random`, `none`); below 1.0, at most 64 per region.",
+    )
+    round: RoundSpec | None = Field(
+        default=None,
+        description="An All-Gather round this request is a sibling of (approximate).",
+    )
+    quality: str | None = Field(
+        default=None,
+        description="A quality target in place of `policy` and `ratio`: `exact`, `greedy` or "
+        "`kl:<x>`; each engine resolves it to a calibrated setting or to exact service.",
+    )
 
     @model_validator(mode="after")
     def _target_or_knobs(self) -> "RecoverySpec":
@@ -138,30 +212,74 @@ class RecoverySpec(BaseModel):
 class KMeshParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    family: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
-    branches: int | None = Field(default=None, ge=1)
-    close: bool = False
-    segments: list[SegmentSpec] | None = Field(default=None, min_length=1)
-    # A chat request's messages as its segments (kmesh serve turns them into `segments`).
-    messages: list[MessageSpec] | None = Field(default=None, min_length=1)
-    # The separator codec instead of segments: the prompt text is split at this string (CacheBlend
-    # style; every part shared but the last, the instruction). See with_separated_segments.
-    separator: str | None = Field(default=None, min_length=1)
-    recovery: RecoverySpec | None = None
-    # Keep the KV of the tokens this request generates as an output segment of its tenant (its
-    # author's KV): later requests' per-request recovery reuses it wherever a segment holds them.
-    keep_output: bool = False
-    # Inside vLLM: take (and leave for later requests) the rows of partly used pages that earlier
-    # requests of the engine computed (kmesh/vllm/tail_claims.py). False: vLLM's own whole-page
-    # prefix caching only, e.g. to compare with plain vLLM. The reference engine's prefix reuse
-    # is token-granular already and ignores it.
-    page_tails: bool = True
-    # When this request's transcript is read again (an ordinal or a time, smaller is sooner: a
-    # round's member its place in the next round): the store entries its recovery restored or
-    # published stay pinned for its family at that date until the family closes, and the
-    # store's future-use retention evicts the furthest date first (coord/future_use.py).
-    # None: published unpinned (least recently used among the undeclared).
-    next_use: float | None = Field(default=None, ge=0.0)
+    family: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        description="The family this request belongs to. Inside vLLM, with a store, the "
+        "family's trunk (its leading shared segments, or the whole prompt without segments) "
+        "stays pinned in the store while the family is open.",
+    )
+    branches: int | None = Field(
+        default=None,
+        ge=1,
+        description="The family closes once this many of its requests have finished on this "
+        "engine (each engine counts its own). Needs `family`.",
+    )
+    close: bool = Field(
+        default=False,
+        description="The family closes when this request finishes. Needs `family`.",
+    )
+    segments: list[SegmentSpec] | None = Field(
+        default=None,
+        min_length=1,
+        description="The prompt as segments: their concatenation is the prompt. kmesh serve "
+        "takes them on /v1/completions (the prompt may then be left out); a plain vLLM server "
+        "uses them only if their tokens spell the request's prompt.",
+    )
+    # kmesh serve turns them into `segments` (serve/jobs.py::message_segments).
+    messages: list[MessageSpec] | None = Field(
+        default=None,
+        min_length=1,
+        description="kmesh serve, chat completions only: one declaration per message, in "
+        "order; each message becomes a segment.",
+    )
+    # See with_separated_segments.
+    separator: str | None = Field(
+        default=None,
+        min_length=1,
+        description="kmesh serve, /v1/completions only: split the prompt at this string "
+        "instead of sending segments; every part is shared but the last, the instruction (the "
+        "separator belongs to no part).",
+    )
+    recovery: RecoverySpec | None = Field(
+        default=None,
+        description="Fill the prompt's rows after the engine's own prefix hit from stored "
+        "segment KV, recomputing a share of them.",
+    )
+    keep_output: bool = Field(
+        default=False,
+        description="Keep the KV of the tokens this request generates as an output segment of "
+        "its tenant: later requests' recovery reuses it wherever a segment holds those tokens "
+        "(not under a LoRA adapter).",
+    )
+    # kmesh/vllm/tail_claims.py.
+    page_tails: bool = Field(
+        default=True,
+        description="Inside vLLM: take (and leave for later requests) the rows of partly used "
+        "pages that earlier requests of the engine computed; false: vLLM's own whole-page "
+        "prefix caching only. The reference engine's prefix reuse is token-granular and "
+        "ignores it.",
+    )
+    # coord/future_use.py: the store's future-use retention.
+    next_use: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="When this request's transcript is read again (an ordinal or a time, "
+        "smaller is sooner): with a store, the entries its recovery restored or published stay "
+        "pinned for its family at that date until the family closes, and the store evicts the "
+        "furthest date first. Needs `family` and `recovery`; null: published unpinned.",
+    )
 
     @model_validator(mode="after")
     def _check_references(self) -> "KMeshParams":
