@@ -258,6 +258,7 @@ BAD_COMPLETIONS = [
         "prompt and kmesh.segments disagree",
     ),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt: String should have at least 1 character"),
+    (b'{"prompt": "caf\xe9"}', "send a JSON object in UTF-8"),  # Latin-1 bytes
     ({"prompt": "word " * 9000}, "the model's context is 8192 tokens"),
     ({"prompt": "word " * 9000, "stream": True}, "the model's context is 8192 tokens"),
 ]
@@ -323,6 +324,54 @@ def test_the_server_keeps_serving_after_bad_requests(client):
     for body, _ in BAD_CHATS:
         refused(client, body, "/v1/chat/completions")
     assert complete(client, prompt="Still there?", max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+LONE = "\ud800"  # half of a UTF-16 pair: JSON's escapes can carry it, Unicode text cannot
+# A lone surrogate in each text a body can hold, and the field the error names.
+NOT_UNICODE = [
+    ("/v1/completions", {"prompt": LONE}, "prompt"),
+    ("/v1/completions", {"prompt": [f"ab{LONE}"]}, "prompt.0"),
+    ("/v1/completions", {"prompt": "x", "stop": LONE}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", LONE]}, "stop.1"),
+    ("/v1/completions", {"kmesh": {"segments": [{"text": LONE}]}}, "kmesh.segments.0.text"),
+    ("/v1/completions", {"prompt": "x", "kmesh": {"family": LONE}}, "kmesh.family"),
+    ("/v1/completions", {"prompt": "x", "user": LONE}, "user"),
+    ("/v1/completions", {"prompt": "x", LONE: 1}, "\\ud800"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONE}]},
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+        "messages.0.content.0.text",
+    ),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": [LONE]}, "stop.0"),
+    ("/tokenize", {"prompt": LONE}, "prompt"),
+]
+
+
+def ascii_json(body):
+    """`body` as JSON with \\u escapes (a client's json= would fail to encode a lone surrogate)."""
+    return json.dumps(body).encode("ascii")
+
+
+@pytest.mark.parametrize(("path", "body", "field"), NOT_UNICODE)
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(client, path, body, field):
+    error = refused(client, ascii_json(body), path)
+    assert error["param"] == field
+    assert error["message"].startswith(f"{field}: the text is not valid Unicode: character ")
+    assert "send UTF-8 text" in error["message"]
+
+
+def test_an_escaped_surrogate_pair_is_the_character_it_encodes(client):
+    body = {"prompt": "Smile \U0001f600", "max_tokens": 1, "temperature": 0}
+    assert b"\\ud83d\\ude00" in ascii_json(body)  # both halves: one emoji
+    headers = {"content-type": "application/json"}
+    response = client.post("/v1/completions", content=ascii_json(body), headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"] == complete(client, **body)["usage"]  # sent as UTF-8
 
 
 def test_fields_openai_clients_send_are_served(client):

@@ -51,6 +51,13 @@ PAST_CONTEXT = (
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**9, "n": 2, "stream": True}),
 )
+# Lone surrogates (valid JSON escapes, not Unicode text) where the tokenizer would read them.
+NOT_UNICODE = (
+    ("/v1/completions", b'{"prompt": "\\ud800"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udc00"}]}'),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}'),
+    ("/v1/completions", b'{"kmesh": {"segments": [{"text": "\\ud800"}]}}'),
+)
 SUFFIXES = (
     "Question: which expedition took the most mules? Answer:",
     "Question: which town sent the first expedition? Answer:",
@@ -161,6 +168,9 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
             with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
                 past = [http.post(path, json={"model": MODEL, **b}) for path, b in PAST_CONTEXT]
                 results[f"{engine}-past-context"] = [(r.status_code, r.json()) for r in past]
+                json_headers = {"content-type": "application/json"}
+                lone = [http.post(p, content=b, headers=json_headers) for p, b in NOT_UNICODE]
+                results[f"{engine}-not-unicode"] = [(r.status_code, r.json()) for r in lone]
             if engine == "vllm":  # the reference engine's: test_server_process.py, test_tenants.py
                 headers = {"Authorization": f"Bearer {KEY_A}"}
                 results["vllm-disconnect"] = disconnect_mid_stream(server.url, headers)
@@ -197,6 +207,15 @@ def test_max_tokens_past_the_context_is_a_400_in_vllms_words(answers, engine):
             "max_tokens=1000000000 cannot be greater than max_model_len=8192. Please request "
             "fewer output tokens."
         )
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_text_that_is_not_unicode_is_a_400(answers, engine):
+    fields = ["prompt", "messages.0.content", "stop.0", "kmesh.segments.0.text"]
+    for (status, body), field in zip(answers[f"{engine}-not-unicode"], fields, strict=True):
+        assert status == 400, body
+        assert body["error"]["param"] == field
+        assert body["error"]["message"].startswith(f"{field}: the text is not valid Unicode")
 
 
 def test_both_engines_give_the_same_greedy_texts(answers):

@@ -83,6 +83,14 @@ def test_a_bad_request_raises_the_clients_bad_request_error(server):
     assert answer.usage.completion_tokens == 1
 
 
+def test_a_prompt_that_is_not_unicode_is_a_400(server):
+    body = b'{"prompt": "\\ud800", "max_tokens": 1}'  # valid JSON: a lone surrogate's escape
+    headers = {"content-type": "application/json"}
+    response = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith("prompt: the text is not valid Unicode")
+
+
 def test_a_taken_port_is_one_clear_line():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

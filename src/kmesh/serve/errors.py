@@ -1,10 +1,10 @@
 """The HTTP error answers of `kmesh serve`, in OpenAI's error shape (kmesh/serve/schema.py).
 
-A caller's mistake gets 400 with a message that says what to change (a body pydantic refused, a
-KMeshError); a missing or unknown API key 401; an unknown route 404 (naming the routes served);
-an engine that failed 503 (what failed, "restart kmesh serve"); anything else 500 with no
-details (the traceback goes to the server's log). Each answer is logged on the access log and
-counted in /metrics.
+A caller's mistake gets 400 with a message that says what to change (a body that could not be
+read or that pydantic refused, text that is not Unicode among it; a KMeshError); a missing or
+unknown API key 401; an unknown route 404 (naming the routes served); an engine that failed 503
+(what failed, "restart kmesh serve"); anything else 500 with no details (the traceback goes to
+the server's log). Each answer is logged on the access log and counted in /metrics.
 """
 
 import logging
@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from kmesh.errors import KMeshError
 from kmesh.serve.backend import EngineStoppedError
-from kmesh.serve.schema import error_body
+from kmesh.serve.schema import NOT_UNICODE, LoneSurrogate, error_body, lone_surrogate
 from kmesh.state.tenants import AuthenticationError
 
 access = logging.getLogger("kmesh.serve.access")
@@ -58,7 +58,10 @@ async def _refused(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    message = f"{exc.detail}: {request.method} {request.url.path}; this server serves {ROUTES}"
+    if exc.status_code == 400:  # FastAPI could not read the body (bytes that are not UTF-8)
+        message = f"{exc.detail}: send a JSON object in UTF-8 (Content-Type: application/json)"
+    else:
+        message = f"{exc.detail}: {request.method} {request.url.path}; this server serves {ROUTES}"
     return _error(request, exc.status_code, message)
 
 
@@ -98,7 +101,10 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
         loc = [str(part) for part in error["loc"][1:] if not _TYPE_TAG.search(str(part))]
         field = ".".join(loc)
         kind = error["type"]
-        if kind == "json_invalid":
+        if kind == NOT_UNICODE:
+            within, message = _not_unicode(error)
+            wrong.setdefault(".".join(p for p in (field, within) if p), []).append(message)
+        elif kind == "json_invalid":
             reason = error.get("ctx", {}).get("error", "")
             problems.append(f"the body is not valid JSON ({reason}): send a JSON object")
         elif not loc:
@@ -112,3 +118,18 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
             says.append(error["msg"].removeprefix("Input should be ") if says else error["msg"])
     problems += [f"{field}: {' or '.join(says)}" for field, says in wrong.items()]
     return "; ".join(problems), next(iter(wrong), None)
+
+
+def _not_unicode(error: Any) -> tuple[str, str]:
+    """The dotted field (within the error's loc) of a string that is not Unicode text, and what
+    to say about it. NOTE: the text is never echoed: the answer is UTF-8, which cannot hold it."""
+    ctx = error.get("ctx") or {}
+    # pydantic's own check (of a constrained string) has no ctx: its input is the text.
+    found = LoneSurrogate(**ctx) if "code" in ctx else lone_surrogate(error.get("input"))
+    where = "" if found is None else f": character {found.index} is a lone surrogate"
+    where += "" if found is None else f" (\\u{found.code:04x}, half of a UTF-16 pair)"
+    message = (
+        f"the text is not valid Unicode{where}; send UTF-8 text, and escape a character past "
+        "U+FFFF in JSON as both halves of its pair (\\ud83d\\ude00)"
+    )
+    return ("" if found is None else found.field), message

@@ -5,18 +5,30 @@ Types are strict (a number in quotes is refused). An explicit `null` means the f
 (`unknown_fields`): the app ignores and logs them, as vLLM's server does, or refuses them in strict
 mode. `kmesh` and `kv_transfer_params` are checked by kmesh.serve.jobs (with
 kmesh.state.request_meta), not here.
+
+Every string of a body, keys included, must be Unicode text. JSON's \\u escapes can carry a lone
+surrogate ("\\ud800", half of a UTF-16 pair), which no tokenizer, log or UTF-8 answer takes: such
+a body is refused with a 400 (kmesh/serve/errors.py words it).
 """
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+# pydantic's error type for a string that is not Unicode text (it checks only constrained
+# strings itself; _Body checks them all, under the same type).
+NOT_UNICODE = "string_unicode"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Body(BaseModel):
-    """Strict types, `null` read as absent, unknown fields kept in `model_extra`."""
+    """Strict types, `null` read as absent, unknown fields kept in `model_extra`, Unicode text
+    only."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -26,6 +38,47 @@ class _Body(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            ctx = {"field": found.field, "index": found.index, "code": found.code}
+            raise PydanticCustomError(NOT_UNICODE, "the text is not valid Unicode", ctx)
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class LoneSurrogate:
+    """A string that is not Unicode text: where it is, and its first lone surrogate."""
+
+    # Dotted, within the value searched ("": the value is that string); any surrogate in a key
+    # is written as its escape, so the name can be printed and sent back.
+    field: str
+    # The surrogate's index in the string, and its code (0xD800 to 0xDFFF).
+    index: int
+    code: int
+
+
+def lone_surrogate(value: Any, field: str = "") -> LoneSurrogate | None:
+    """The first string in `value` (a JSON value: strings, lists, and dicts, keys included)
+    that holds a lone surrogate; None if every one is Unicode text."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return None if match is None else LoneSurrogate(field, match.start(), ord(match[0]))
+    items: Any = ()
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    for key, item in items:
+        name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+        name = f"{field}.{name}" if field else name
+        found = lone_surrogate(key, name) or lone_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(_Body):
@@ -46,7 +99,7 @@ class GenerationRequest(_Body):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Only None or empty: stop strings are not supported.
+    # One string or a list of them (kmesh.serve.request_fields checks how many).
     stop: str | list[str] | None = None
     # Completions of one prompt (kmesh.serve.app: its branches share the prompt's prefix).
     n: int = 1
