@@ -22,3 +22,8 @@ class OutOfBlocksError(KMeshError):
 
 class ContractError(KMeshError):
     """Declared state relationships (segments, families, forks) are inconsistent."""
+
+
+class DependencyError(KMeshError):
+    """An optional dependency (a pip extra) that a command needs is not installed, or is a
+    version KMesh was not tested with."""

@@ -4,6 +4,7 @@ Load it with `kv_transfer_config={"kv_connector": "KMeshConnector", "kv_connecto
 "kmesh.vllm.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
 "kv_connector_extra_config": {"store": "/path/to/store.sock"}}` (kmesh.vllm.config builds it),
 or by name alone once kmesh is installed (the `vllm.general_plugins` entry point registers it).
+Its construction refuses a vLLM release it was not tested with (kmesh/vllm/version.py).
 vLLM makes one instance per role: the scheduler role (scheduler_side.py, with tracked.py: keys;
 store_side.py: store traffic and families; recovery_claims.py; stats) and the worker role
 (worker_side.py: block copies; recovered rows from recovery.py, on the model the worker extension
@@ -29,6 +30,7 @@ as `page_tail_tokens` when there are any. The same counts, summed, reach vLLM's 
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -45,6 +47,7 @@ from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
 from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
 from kmesh.vllm.recovery_support import recovery_unavailable
 from kmesh.vllm.scheduler_side import SchedulerSide
+from kmesh.vllm.version import check_vllm_version
 from kmesh.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -61,6 +64,7 @@ class KMeshConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"
     ) -> None:
+        check_vllm_version(vllm.__version__)  # before anything of vLLM's is relied on
         super().__init__(vllm_config, role, kv_cache_config)
         store = self._kv_transfer_config.get_from_extra_config("store", None)
         layout = BlockLayout.of(
