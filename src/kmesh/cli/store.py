@@ -4,9 +4,12 @@ import argparse
 
 from kmesh.cli.common import Commands
 from kmesh.coord.future_use import RETENTIONS
+from kmesh.extras import MOONCAKE, require
 
 
 def _store_serve(args: argparse.Namespace) -> None:
+    if args.remote is not None:
+        require(MOONCAKE, "kmesh store serve --remote")
     from kmesh.state.tenants import load_api_keys
     from kmesh.store.remote.worker import remote_config
     from kmesh.store.server import parse_size, serve

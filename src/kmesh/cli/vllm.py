@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kmesh.cli.common import Commands
+from kmesh.extras import VLLM, require
 
 _version = importlib.metadata.version
 
@@ -30,6 +31,7 @@ def vllm_version(distribution_name: str) -> str:
 
 def run_vllm(args: Sequence[str]) -> int:
     """vLLM's CLI with `args` (as after `vllm`); its exit status."""
+    require(VLLM, "kmesh vllm")
     importlib.metadata.version = vllm_version
     from vllm.entrypoints.cli.main import main
 
