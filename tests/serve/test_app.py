@@ -591,6 +591,29 @@ def test_an_unknown_route_gets_an_openai_error(client):
     assert "POST /v1/completions" in response.json()["error"]["message"]
 
 
+def test_unknown_routes_count_under_one_label(client):
+    def series():
+        text = client.get("/metrics").text
+        return dict(
+            line.rsplit(" ", 1)
+            for line in text.splitlines()
+            if line.startswith("kmesh_requests_total{")
+        )
+
+    before = series()
+    for i in range(20):
+        assert client.get(f"/v1/engines/{i}").status_code == 404
+        assert client.request(f"METHOD{i}", "/v1/completions").status_code == 405
+    after = series()
+    assert set(after) - set(before) <= {
+        'kmesh_requests_total{route="unknown route",status="404"}',
+        'kmesh_requests_total{route="unknown route",status="405"}',
+    }
+    for status in (404, 405):
+        name = f'kmesh_requests_total{{route="unknown route",status="{status}"}}'
+        assert float(after[name]) - float(before.get(name, 0)) == 20
+
+
 def test_requests_at_once_are_all_answered(client):
     prompts = [f"Story number {i}:" for i in range(4)]
 

@@ -29,6 +29,10 @@ ROUTES = (
     "GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize, "
     "POST /detokenize, GET /metrics and GET /health"
 )
+# The route of a request no route serves (a path or method this server does not know). NOTE:
+# never the path or method itself: each would be a /metrics label kept for the server's life,
+# as many as a client cares to send.
+UNKNOWN_ROUTE = "unknown route"
 # A union alternative's place in an error's loc (like "str" or "list[TextPart]"), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool)$|\[")
 
@@ -43,7 +47,12 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def route_of(request: Request) -> str:
-    return f"{request.method} {request.url.path}"
+    """What the access log and /metrics name a request by: its method and the route serving it,
+    or UNKNOWN_ROUTE."""
+    route = request.scope.get("route")
+    if route is None or request.method not in getattr(route, "methods", ()):
+        return UNKNOWN_ROUTE
+    return f"{request.method} {route.path}"
 
 
 async def _invalid_body(request: Request, exc: Exception) -> JSONResponse:
