@@ -10,14 +10,16 @@ from kmesh.errors import InvalidRequestError
 # What `add_subparsers()` returns, where each command module registers its parsers (argparse's
 # class for it is private).
 Commands = Any
+# A parser or one of its argument groups (argparse's common base class is private).
+Options = argparse._ActionsContainer
 
 
-def add_model_option(parser: argparse.ArgumentParser) -> None:
+def add_model_option(parser: Options) -> None:
     """--model: a model folder; the embedded model when absent."""
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
 
 
-def add_store_option(parser: argparse.ArgumentParser) -> None:
+def add_store_option(parser: Options) -> None:
     """--store: a store's socket, checked by `check_store`."""
     parser.add_argument(
         "--store", default=None, help="a `kmesh store serve` socket: restore from it, publish to it"

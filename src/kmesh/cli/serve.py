@@ -138,69 +138,78 @@ def register(commands: Commands) -> None:
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat) until SIGTERM/SIGINT"
     )
-    serve.add_argument("--engine", choices=["reference", "vllm"], required=True)
-    add_model_option(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0: any free port")
-    serve.add_argument(
-        "--strict-fields",
-        action="store_true",
-        help="refuse request fields the server does not know (default: ignore and log them)",
+    engine = serve.add_argument_group("engine and model")
+    engine.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        required=True,
+        help="reference: KMesh's own engine; vllm: vLLM with KMeshConnector",
     )
-    serve.add_argument(
-        "--reuse-messages",
-        action="store_true",
-        help="approximate: a chat without a kmesh object, under a cache_salt starting with "
-        "kmesh-approx, reuses any message another request of that tenant computed",
-    )
-    serve.add_argument(
-        "--reuse-ratio",
-        type=float,
-        default=None,
-        help="with --reuse-messages: share of the reused rows recomputed (default: "
-        "per-request recovery's; docs/SERVE.md has the sweep)",
-    )
-    serve.add_argument(
-        "--quality",
-        default=None,
-        help="with --reuse-messages: a quality target in place of --reuse-ratio: exact, greedy "
-        "or kl:<x> (kmesh/recovery/quality.py; a target the server cannot meet is served "
-        "exactly, and the response's kmesh.quality says so)",
-    )
-    add_store_option(serve)
-    serve.add_argument(
-        "--recovery-bytes",
-        default=None,
-        metavar="SIZE",
-        help="what recovery keeps (stored segments, round masters) at most, like 256M "
-        "(default 1G; least recently used dropped first)",
-    )
-    serve.add_argument(
-        "--kv-cache",
-        default=None,
-        metavar="SIZE",
-        help="--engine vllm: vLLM's KV cache, like 2G (default 1G)",
-    )
-    serve.add_argument(
-        "--heap-reserve",
-        default=None,
-        metavar="SIZE",
-        help="--engine vllm: memory the worker writes once at start and keeps for recovery's "
-        "buffers, like 1G or 0 for none (default half the KV cache, at most a quarter of the "
-        "memory available; docs/VLLM.md)",
-    )
-    serve.add_argument(
+    add_model_option(engine)
+    engine.add_argument(
         "--dtype",
         default=None,
         choices=DTYPES,
         help="--engine vllm: the model's and the KV cache's dtype (default float32, the "
         "reference engine's; vLLM's own default on a CPU with bfloat16 is bfloat16)",
     )
-    serve.add_argument(
+    access = serve.add_argument_group("listening and access")
+    access.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    access.add_argument("--port", type=int, default=8000, help="0: any free port")
+    access.add_argument(
         "--api-keys",
         default=None,
         metavar="FILE",
         help='JSON {"API key": "tenant", ...}: requests need `Authorization: Bearer KEY`, and '
         "state never crosses tenants (default: no keys, one namespace)",
+    )
+    access.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse request fields the server does not know (default: ignore and log them)",
+    )
+    reuse = serve.add_argument_group("message reuse (approximate)")
+    reuse.add_argument(
+        "--reuse-messages",
+        action="store_true",
+        help="approximate: a chat without a kmesh object, under a cache_salt starting with "
+        "kmesh-approx, reuses any message another request of that tenant computed",
+    )
+    reuse.add_argument(
+        "--reuse-ratio",
+        type=float,
+        default=None,
+        help="with --reuse-messages: share of the reused rows recomputed (default 0.3, "
+        "per-request recovery's; docs/benchmarks.md has the sweep)",
+    )
+    reuse.add_argument(
+        "--quality",
+        default=None,
+        help="with --reuse-messages: a quality target in place of --reuse-ratio: exact, greedy "
+        "or kl:<x> (a target the server cannot meet is served exactly, and the response's "
+        "kmesh.quality says so)",
+    )
+    memory = serve.add_argument_group("store and memory")
+    add_store_option(memory)
+    memory.add_argument(
+        "--recovery-bytes",
+        default=None,
+        metavar="SIZE",
+        help="what recovery keeps (stored segments, round masters) at most, like 256M "
+        "(default 1G; least recently used dropped first)",
+    )
+    memory.add_argument(
+        "--kv-cache",
+        default=None,
+        metavar="SIZE",
+        help="--engine vllm: vLLM's KV cache, like 2G (default 1G)",
+    )
+    memory.add_argument(
+        "--heap-reserve",
+        default=None,
+        metavar="SIZE",
+        help="--engine vllm: memory the worker writes once at start and keeps for recovery's "
+        "buffers, like 1G or 0 for none (default half the KV cache, at most a quarter of the "
+        "memory available; docs/reference/connector.md)",
     )
     serve.set_defaults(func=_serve)

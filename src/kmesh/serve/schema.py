@@ -82,53 +82,116 @@ def lone_surrogate(value: Any, field: str = "") -> LoneSurrogate | None:
 
 
 class StreamOptions(_Body):
-    # OpenAI's: a last chunk with no choices and the usage, before [DONE].
-    include_usage: bool = False
+    include_usage: bool = Field(
+        default=False,
+        description="End the stream with a chunk that has no choices and the usage, before "
+        "`data: [DONE]` (OpenAI's).",
+    )
 
 
 class GenerationRequest(_Body):
-    # If given, the served model's id (GET /v1/models).
-    model: str | None = None
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    # vLLM's extra sampling fields (kmesh/engine/sampler.py): -1 or 0 is every token.
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    # vLLM's: end-of-sequence tokens do not end generation.
-    ignore_eos: bool = False
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    # One string or a list of them (kmesh.serve.request_fields checks how many).
-    stop: str | list[str] | None = None
-    # Completions of one prompt (kmesh.serve.app: its branches share the prompt's prefix).
-    n: int = 1
+    model: str | None = Field(
+        default=None,
+        description="The served model's id (`GET /v1/models`); any other is refused.",
+    )
+    temperature: float = Field(default=1.0, ge=0, description="0 is greedy.")
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="Sample from the most likely tokens of this mass."
+    )
+    # vLLM's extra sampling fields (kmesh/engine/sampler.py).
+    top_k: int = Field(
+        default=0, ge=-1, description="vLLM's: keep the k most likely tokens; -1 or 0: all."
+    )
+    min_p: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="vLLM's: drop the tokens less likely than this times the most likely one.",
+    )
+    ignore_eos: bool = Field(
+        default=False,
+        description="vLLM's: end-of-sequence tokens do not end generation (it runs to the "
+        "token limit).",
+    )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        lt=2**63,
+        description="Sampling seed; with `n` > 1, choice i samples with seed + i.",
+    )
+    stream: bool = Field(default=False, description="Answer with server-sent events.")
+    stream_options: StreamOptions | None = Field(
+        default=None, description="With `stream`: OpenAI's stream options."
+    )
+    stop: str | list[str] | None = Field(
+        default=None,
+        description="Up to 4 non-empty strings; generation ends at the first one (cut from "
+        "the text), with finish reason `stop`.",
+    )
+    # kmesh.serve.app: its branches share the prompt's prefix.
+    n: int = Field(
+        default=1,
+        description="Completions of the prompt, 1 to 16; their prompt's work is shared.",
+    )
     # vLLM's sampling penalties (kmesh/engine/sampler.py has their definitions).
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)
-    # Completions: a number k (the chosen token's and the k most likely tokens'); chat: true,
-    # with top_logprobs k (kmesh.serve.jobs checks which is which; kmesh/serve/logprobs.py).
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    # Only plain text (refused otherwise).
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    # Accepted and ignored.
-    user: str | None = None
-    # The keyed-state object (family, segments); see kmesh.state.request_meta.
-    kmesh: dict[str, Any] | None = None
-    # A namespace: state never crosses salts (with --api-keys, one within the key's tenant).
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=128)
-    # vLLM's field: only {"kmesh": {...}}, another way to send the kmesh object.
-    kv_transfer_params: dict[str, Any] | None = None
+    presence_penalty: float = Field(
+        default=0.0, ge=-2, le=2, description="OpenAI's and vLLM's presence penalty."
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2, le=2, description="OpenAI's and vLLM's frequency penalty."
+    )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0, description="vLLM's repetition penalty (1: none)."
+    )
+    # kmesh.serve.jobs checks which is which (kmesh/serve/logprobs.py renders them).
+    logprobs: bool | int | None = Field(
+        default=None,
+        description="Completions: a number k from 0 to 20, the chosen token's log-probability "
+        "and the k most likely tokens'; chat: `true`, with `top_logprobs`.",
+    )
+    top_logprobs: int | None = Field(
+        default=None,
+        description="Chat only, with `logprobs: true`: how many most likely tokens to list, "
+        "0 to 20.",
+    )
+    response_format: dict[str, Any] | None = Field(
+        default=None, description='Only `{"type": "text"}`; any other type is refused.'
+    )
+    tools: list[Any] | None = Field(
+        default=None, description="Refused unless empty: function calling is not supported."
+    )
+    tool_choice: Any = Field(default=None, description="Ignored.")
+    user: str | None = Field(default=None, description="Accepted and ignored.")
+    kmesh: dict[str, Any] | None = Field(
+        default=None,
+        description="The `kmesh` object (above): the request's family, segments and recovery.",
+    )
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="The request's namespace: state never crosses salts (with `--api-keys`, a "
+        "namespace within the key's tenant); `kmesh-approx...` admits approximate recovery.",
+    )
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None,
+        description='vLLM\'s field: only `{"kmesh": {...}}`, another way to send the `kmesh` '
+        "object.",
+    )
 
 
 class CompletionRequest(GenerationRequest):
-    # One string (a list holding one string is accepted); may be left out with kmesh.segments.
-    prompt: str | list[Any] | None = None
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[Any] | None = Field(
+        default=None,
+        description="One string (a list holding one string is accepted); may be left out, or "
+        '`""`, with `kmesh.segments`.',
+    )
+    max_tokens: int | None = Field(
+        default=16,
+        ge=1,
+        description="Tokens to generate at most, up to the model's context; clamped to the "
+        "room the prompt leaves.",
+    )
 
 
 class TextPart(_Body):
@@ -137,11 +200,18 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    # "developer" is OpenAI's newer name for system instructions: the template gets "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    # The speaker's name (OpenAI's): handed to the chat template with the message.
-    name: str | None = Field(default=None, min_length=1)
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="`developer` is OpenAI's newer name for system instructions: the chat "
+        "template gets `system`."
+    )
+    content: str | list[TextPart] = Field(
+        description="The message's text, or its text parts (concatenated)."
+    )
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The speaker's name (OpenAI's), handed to the chat template with the message.",
+    )
 
     @property
     def template_role(self) -> str:
@@ -155,11 +225,20 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    # Default: as many as the model's context leaves (as OpenAI).
-    max_tokens: int | None = Field(default=None, ge=1)
-    # OpenAI's newer name for max_tokens.
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="The conversation, in the model's chat template."
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens to generate at most, up to the model's context; absent: as many "
+        "as the context leaves after the prompt (as OpenAI).",
+    )
+    max_completion_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="OpenAI's newer name for `max_tokens` (both given: they must agree).",
+    )
 
 
 class TokenizeRequest(_Body):
