@@ -55,6 +55,27 @@ def test_an_installed_vllm_of_an_untested_release_is_refused(monkeypatch):
             ["store", "serve", "--socket", "s", "--capacity", "1M", "--remote", "h:1"],
             f"kmesh store serve --remote {MOONCAKE_LINE}",
         ),
+        *[
+            (
+                ["bench", *args, "--json", "out.json"],
+                f"kmesh bench {' '.join(args[:3])} {VLLM_LINE}",
+            )
+            for args in (
+                ["agents"],
+                ["allgather", "--engine", "vllm"],
+                ["capacity"],
+                ["council"],
+                ["fork", "--engine", "vllm", "--mode", "cot"],
+                ["load", "--engine", "vllm"],
+                ["load", "--engine", "vllm-vanilla"],
+                ["lora", "--engine", "vllm"],
+                ["vllm-family"],
+            )
+        ],
+        (
+            ["bench", "restore", "--tiers", "local,remote", "--json", "out.json"],
+            f"kmesh bench restore --tiers local,remote {MOONCAKE_LINE}",
+        ),
     ],
 )
 def test_a_command_needing_a_missing_extra_exits_2_in_one_line(args, line, without_extras, capsys):

@@ -10,9 +10,11 @@ from kmesh.cli.bench_common import (
     progress,
 )
 from kmesh.cli.common import Commands
+from kmesh.extras import VLLM, require
 
 
 def _bench_agents(args: argparse.Namespace) -> None:
+    require(VLLM, "kmesh bench agents")  # plain vLLM's server is every run's reference
     from kmesh.bench.agents.config import AgentsBenchConfig
     from kmesh.bench.agents.report import plot, print_report
     from kmesh.bench.agents.run import run_agents_bench

@@ -10,9 +10,12 @@ from typing import Any
 from kmesh.cli.bench_common import add_bench_options, agent_counts, progress, write_json
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
+from kmesh.extras import VLLM, require
 
 
 def _bench_allgather(args: argparse.Namespace) -> None:
+    if args.engine == "vllm":
+        require(VLLM, "kmesh bench allgather --engine vllm")
     from kmesh.bench.allgather.closed_loop import Loops, plain_loops, reference_closed_loop
     from kmesh.bench.allgather.config import RECOVERY_FIELDS, AllGatherBenchConfig
     from kmesh.bench.allgather.report import write_report

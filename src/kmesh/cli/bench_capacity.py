@@ -10,9 +10,11 @@ from kmesh.cli.bench_common import (
     progress,
 )
 from kmesh.cli.common import Commands
+from kmesh.extras import VLLM, require
 
 
 def _bench_capacity(args: argparse.Namespace) -> None:
+    require(VLLM, "kmesh bench capacity")  # vanilla vLLM's rounds are the trace
     from kmesh.bench.capacity.report import plot, print_report
     from kmesh.bench.capacity.run import CapacityConfig, run_capacity_bench
 

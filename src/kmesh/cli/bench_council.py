@@ -5,10 +5,12 @@ import argparse
 from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
+from kmesh.extras import VLLM, require
 from kmesh.state.request_meta import check_quality_target
 
 
 def _bench_council(args: argparse.Namespace) -> None:
+    require(VLLM, "kmesh bench council")  # vanilla vLLM's council is the reference
     from kmesh.bench.council.report import plot, print_report
     from kmesh.bench.council.run import CouncilConfig, client_python, run_council_bench
 

@@ -6,9 +6,12 @@ import argparse
 from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
+from kmesh.extras import VLLM, require
 
 
 def _bench_fork(args: argparse.Namespace) -> None:
+    if args.engine == "vllm":
+        require(VLLM, "kmesh bench fork --engine vllm")
     from kmesh.bench.fork.run import ForkBenchConfig, print_report, run_fork_bench
     from kmesh.compute.loader import load_model
 

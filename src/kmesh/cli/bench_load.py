@@ -4,9 +4,12 @@ import argparse
 
 from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
+from kmesh.extras import VLLM, require
 
 
 def _bench_load(args: argparse.Namespace) -> None:
+    if args.engine != "reference":
+        require(VLLM, f"kmesh bench load --engine {args.engine}")
     from kmesh.bench.load.report import plot, print_report
     from kmesh.bench.load.run import LoadConfig, run_load_bench
 

@@ -6,6 +6,7 @@ import argparse
 from kmesh.cli.bench_common import add_bench_options, emit_report, progress
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
+from kmesh.extras import MOONCAKE, require
 
 
 def _bench_restore(args: argparse.Namespace) -> None:
@@ -22,6 +23,8 @@ def _bench_restore(args: argparse.Namespace) -> None:
     tiers = args.tiers.split(",")
     if tiers not in (["local"], ["local", "remote"]):
         raise InvalidRequestError(f"--tiers takes local or local,remote; got {args.tiers!r}")
+    if "remote" in tiers:
+        require(MOONCAKE, "kmesh bench restore --tiers local,remote")
     log = progress()
     report = run_restore_bench(args.model, sizes, args.concurrency, log, tiers)
     emit_report(args, report, print_restore)

@@ -5,9 +5,11 @@ import argparse
 
 from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_report, progress
 from kmesh.cli.common import Commands
+from kmesh.extras import VLLM, require
 
 
 def _bench_vllm_family(args: argparse.Namespace) -> None:
+    require(VLLM, "kmesh bench vllm-family")
     from kmesh.bench.vllm_family.run import FamilyBenchConfig, print_family, run_family_bench
 
     config = config_from_args(FamilyBenchConfig, args)
