@@ -71,7 +71,7 @@ def register(commands: Commands) -> None:
         default=None,
         metavar="HOST:PORT",
         help="a Mooncake Store master (mooncake_master --rpc_port): stand in front of it as the "
-        "remote tier shared with other machines' stores (docs/REMOTE.md)",
+        "remote tier shared with other machines' stores (docs/guide/store.md)",
     )
     store_serve.add_argument(
         "--remote-metadata",
