@@ -5,7 +5,7 @@ KMeshConnector inside a plain vLLM server puts it in the request's output as
 `kv_transfer_params["kmesh"]`. The engines build it as a plain dict (the reference engine:
 serve/reference_backend.py; KMeshConnector: vllm/scheduler_side.py::request_finished; kmesh
 serve adds `family`, `engine` and `branches`: serve/app.py::_totals). These models describe
-that dict, field by field, for the reference pages (kmesh/reference_docs.py) and for clients
+that dict, field by field, for the reference pages (kmesh/reference_docs) and for clients
 that want to validate it; tests/state/test_response_meta.py checks them against the names the
 engines use.
 """
