@@ -51,7 +51,7 @@ def register(benches: Commands) -> None:
         type=float,
         default=default.slo_ttft_s,
         help=f"seconds; TTFT p99 under it holds an agent count (default {default.slo_ttft_s:g}: "
-        "docs/AGENTS.md says why)",
+        "the SLO of docs/benchmarks.md)",
     )
     add_config_flag(agents, default, "max_tokens", "greedy tokens per message")
     add_config_flag(agents, default, "engine", choices=ENGINES)
