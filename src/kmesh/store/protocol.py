@@ -220,7 +220,7 @@ class Spares(Answer, frozen=True, tag="spares"):
 
 
 class Refused(Answer, frozen=True, tag="refused"):
-    """An expected refusal: code is too_large, full, no_memory or not_leader."""
+    """An expected refusal: code is too_large, full, no_memory, not_leader or not_reserved."""
 
     code: str = ""
     reason: str = ""
