@@ -8,13 +8,18 @@ from typing import Any
 VLLM_PAGE = 32  # vLLM's page in tokens (kmesh/vllm/config.py::DEFAULT_BLOCK_SIZE)
 
 
-def token_bytes(executor: Any) -> int:
-    """KV bytes of one token (all layers, K and V) in the executor's dtype."""
-    import torch
+def token_bytes(model: str | None) -> int:
+    """KV bytes of one token (all layers, K and V) of the model folder (the embedded model when
+    None) in the dtype vLLM's engines and the reference executor run it in, read from its
+    config.json alone: a budget is checked before anything loads."""
+    import json
 
-    model = executor.config
-    element = torch.empty((), dtype=executor.dtype).element_size()
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+    from kmesh.compute.config import ModelConfig
+    from kmesh.compute.loader import resolve_model_dir
+    from kmesh.vllm.config import DEFAULT_DTYPE
+
+    hf = json.loads((resolve_model_dir(model) / "config.json").read_text())
+    return ModelConfig.from_hf(hf).kv_bytes_per_token(DEFAULT_DTYPE)
 
 
 def dense_transcript_bytes(rounds: Sequence[Sequence[Any]], per_token: int) -> float:

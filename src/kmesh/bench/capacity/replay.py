@@ -1,16 +1,15 @@
 """KMesh through vLLM in `kmesh bench capacity` (kmesh_vllm, kmesh_vllm_lru): one agent count's
-vanilla trace replayed by bench/capacity/vllm.py::replay in its own process, on a store this
-module starts and stops: vLLM's KV cache holds one request of max_model_len (the least it
-starts with), the store the rest of the budget. The same requests on an unbounded store (run
-once per agent count) give what nothing lost costs; the excess is what the store's losses cost.
+vanilla trace replayed by bench/capacity/vllm.py::replay in its own process, on a store this module
+starts and stops: vLLM's KV cache holds one request of max_model_len (the least it starts with), the
+store the rest of the budget (bench/capacity/sizing.py). The same requests on an unbounded store
+(run once per agent count) give what nothing lost costs; the excess is what the store's losses cost.
 """
 
 from pathlib import Path
 from typing import Any
 
-from kmesh.bench.capacity.accounting import VLLM_PAGE
 from kmesh.bench.capacity.process import run_vllm_process
-from kmesh.errors import InvalidRequestError
+from kmesh.bench.capacity.sizing import EngineSizing
 
 # KMesh through vLLM (All-Gather) -> (members declare their next use, store retention)
 KMESH_VLLM_STRATEGIES = {"kmesh_vllm": (True, "future_use"), "kmesh_vllm_lru": (False, "lru")}
@@ -22,24 +21,18 @@ UNBOUNDED_STORE = 8 << 30
 def kmesh_through_vllm(
     name: str,
     spec: dict[str, Any],
+    sizing: EngineSizing,
     agents: int,
-    per_token: int,
     directory: Path,
     unconstrained: dict[int, list[float]],
 ) -> dict[str, Any]:
     """KMesh through vLLM on one agent count's trace (bench/capacity/vllm.py::replay): vLLM's
     KV cache holds one request of max_model_len (the least it starts with), the store the rest
-    of the budget; what the same requests compute on an unbounded store (`unconstrained`, run
-    once per agent count) is what nothing lost costs."""
+    of the budget (`sizing`); what the same requests compute on an unbounded store
+    (`unconstrained`, run once per agent count) is what nothing lost costs."""
     declare, retention = KMESH_VLLM_STRATEGIES[name]
-    kv_cache = (spec["max_model_len"] + VLLM_PAGE) * per_token
-    capacity = spec["budget_bytes"] - kv_cache
-    if capacity < 1:
-        raise InvalidRequestError(
-            f"--budget-mib {spec['budget_bytes'] >> 20} is below vLLM's KV cache of one request "
-            f"({kv_cache >> 20} MiB at {agents} agents): raise it"
-        )
-    spec = {**spec, "kv_cache_bytes": kv_cache}
+    kv_cache, capacity = sizing.kv_cache_bytes, sizing.offload_bytes
+    spec = {**spec, "max_model_len": sizing.max_model_len, "kv_cache_bytes": kv_cache}
     if agents not in unconstrained:
         free = replayed(spec, "unbounded", UNBOUNDED_STORE, "lru", directory / f"free-{agents}")
         if "error" in free:

@@ -2,35 +2,36 @@
 
 Every strategy gets the same budget B for what it keeps between rounds plus what it computes in:
 - vanilla: vLLM with prefix caching, its KV cache = B (bench/capacity/vllm.py, its own process);
-- vanilla_offload: vLLM with half of B as KV cache and its own CPU offloading of the other half
-  (SimpleCPUOffloadConnector, else OffloadingConnector), if one runs on this build (otherwise
-  their errors are reported);
+- vanilla_offload: vLLM with half of B as KV cache (at least one request's) and its own CPU
+  offloading of the rest (SimpleCPUOffloadConnector, else OffloadingConnector), if one runs on
+  this build (otherwise their errors are reported);
 - kmesh_dense / kmesh / kmesh_lru: KMesh's store holding every member's transcript between
   rounds (bench/capacity/kmesh.py: restored each round, lost pieces computed again), with
   collective recovery of each round: dense pieces / Master-Mirror pieces with retention by
   declared future use / Master-Mirror pieces with LRU. The store gets B minus the working set of
   one request (the largest prompt's KV): the least an engine needs to compute in;
 - kmesh_vllm / kmesh_vllm_lru (All-Gather): the same through vLLM with KMeshConnector
-  (bench/capacity/vllm.py::replay): its KV cache one request of max_model_len, the store the
-  rest of B; members declare their next use and the store retains by it / nothing declared and
-  the store evicts least recently used. What the same requests compute on an unbounded store is
-  their `unconstrained_tokens_per_round`, the excess their `recomputed_tokens_per_round`.
+  (bench/capacity/vllm.py::replay): its KV cache one request of max_model_len, the store the rest of
+  B (every vLLM engine's max_model_len and KV cache: bench/capacity/sizing.py); members declare
+  their next use and the store retains by it / nothing declared and the store evicts least recently
+  used. What the same requests compute on an unbounded store is their
+  `unconstrained_tokens_per_round`, the excess their `recomputed_tokens_per_round`.
 Workloads: the All-Gather council (workloads/allgather.py), or agent trajectories
 (workloads/trajectory.py: a turn is a round; no masters, so kmesh_dense is kmesh there).
 The vanilla run is closed loop (vLLM answers, greedy) and its rounds are the trace every other
 strategy replays, so all compute the same prompts.
 
-Per agent count and round: computed tokens (vLLM: prompt tokens minus its prefix-cache hit;
-KMesh: token-layers / layers of recovery, restore misses included) and the round's new tokens
-(those of segments no earlier round held, counted once: workloads/allgather.py::new_tokens; a
-trajectory turn's: its append); prefill seconds (vLLM: its prefill call; KMesh: the reference
-executor's restore + recovery, not comparable across engines: vLLM's CPU kernels are faster);
-bytes held per agent after the last round (KMesh: the store's bytes / agents; vanilla: its
-transcript's dense KV, at most B / agents); bytes restored. `max_agents.<name>`: the largest
-agent count whose every round computes within `limit` (All-Gather 2x, trajectory 1.5x) of the
-round's new tokens; `capacity_agents.<name>`: the largest whose every round stays within 2x of
-what the same strategy computes with unlimited memory (vanilla: an ideal prefix cache; KMesh: no
-piece lost), the memory effect alone.
+Per agent count and round: computed tokens (vLLM: prompt tokens minus its prefix-cache hit; KMesh:
+token-layers / layers of recovery, restore misses included) and the round's new tokens (those of
+segments no earlier round held, counted once: workloads/allgather.py::new_tokens; a trajectory
+turn's: its append); prefill seconds (vLLM: its prefill call; KMesh: the reference executor's
+restore + recovery, not comparable across engines: vLLM's CPU kernels are faster); bytes held per
+agent after the last round (KMesh: the store's bytes / agents; vanilla and vanilla_offload: its
+transcript's dense KV, at most B / agents); bytes restored. `max_agents.<name>`: the largest agent
+count whose every round computes within `limit` (All-Gather 2x, trajectory 1.5x) of the round's new
+tokens; `capacity_agents.<name>`: the largest whose every round stays within 2x of what the same
+strategy computes with unlimited memory (vanilla: an ideal prefix cache; KMesh: no piece lost), the
+memory effect alone.
 """
 
 import tempfile
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.bench.capacity.accounting import (
-    VLLM_PAGE,
     dense_transcript_bytes,
     ideal_prefix_cache,
     max_agents,
@@ -48,6 +48,7 @@ from kmesh.bench.capacity.accounting import (
 )
 from kmesh.bench.capacity.process import run_vllm_process
 from kmesh.bench.capacity.replay import KMESH_VLLM_STRATEGIES, kmesh_through_vllm
+from kmesh.bench.capacity.sizing import EngineSizing, check_budget, engine_sizing
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.allgather import new_tokens
 
@@ -129,21 +130,16 @@ def run_capacity_bench(
     from kmesh.bench.common import hardware
     from kmesh.compute.loader import load_model
 
+    per_token = token_bytes(model)
+    check_budget(cfg, per_token)
     loaded = load_model(model)
-    per_token = token_bytes(loaded.executor)
-    longest = _max_model_len(cfg) * per_token
-    if cfg.budget_bytes <= longest:
-        raise InvalidRequestError(
-            f"--budget-mib {cfg.budget_mib} does not hold one request's KV at "
-            f"{max(cfg.agents)} agents and {cfg.rounds} rounds (up to {longest >> 20} MiB): "
-            "raise it, or lower --agents or --rounds"
-        )
     strategies: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kmc-") as folder:
         directory = Path(folder)
         for name in (s for s in VLLM_STRATEGIES if s in cfg.chosen):
             log(f"capacity: {name} (vLLM) at {list(cfg.agents)} agents")
-            strategies[name] = _vllm(cfg, name, model, loaded.fingerprint, directory)
+            sizing = engine_sizing(cfg, name, per_token)
+            strategies[name] = _vllm(cfg, name, sizing, model, loaded.fingerprint, directory)
         if "error" in strategies["vanilla"]:
             raise InvalidRequestError(
                 f"vanilla vLLM did not run, so there is no trace: {strategies['vanilla']['error']}"
@@ -162,8 +158,8 @@ def run_capacity_bench(
                 log(f"capacity: {name} (vLLM) at {agents} agents")
                 spec = {"model": model, "agent_ratio": cfg.agent_ratio}
                 spec |= {"replay": str(directory / f"trace-{agents}.jsonl")}
-                spec |= {"max_model_len": _max_model_len(cfg), "budget_bytes": cfg.budget_bytes}
-                run = kmesh_through_vllm(name, spec, agents, per_token, directory, unconstrained)
+                sizing = engine_sizing(cfg, name, per_token)
+                run = kmesh_through_vllm(name, spec, sizing, agents, directory, unconstrained)
                 if "error" in run:
                     strategies[name] = {"error": run["error"]}
                     break
@@ -173,8 +169,10 @@ def run_capacity_bench(
             rounds = traces[run["agents"]]
             run["new_tokens_per_round"] = new_tokens(rounds)
             run["dense_bytes_per_agent"] = dense_transcript_bytes(rounds, per_token)
-    for run in strategies["vanilla"]["runs"]:
-        run["bytes_per_agent"] = min(run["dense_bytes_per_agent"], cfg.budget_bytes / run["agents"])
+    for name in VLLM_STRATEGIES:  # vLLM's KV cache (and its offloading) hold the transcripts
+        for run in strategies.get(name, {}).get("runs", []):
+            held = cfg.budget_bytes / run["agents"]
+            run["bytes_per_agent"] = min(run["dense_bytes_per_agent"], held)
     return {
         "config": asdict(cfg),
         "hardware": hardware(),
@@ -191,15 +189,21 @@ def run_capacity_bench(
 
 
 def _vllm(
-    cfg: CapacityConfig, name: str, model: str | None, fingerprint: str, directory: Path
+    cfg: CapacityConfig,
+    name: str,
+    sizing: EngineSizing,
+    model: str | None,
+    fingerprint: str,
+    directory: Path,
 ) -> dict[str, Any]:
-    """One vLLM strategy in its own process (vanilla_offload: each of vLLM's offloading
-    connectors until one runs); its runs, or why it did not run."""
+    """One vLLM strategy in its own process, its engine sized by `sizing` (vanilla_offload:
+    each of vLLM's offloading connectors until one runs); its runs, or why it did not run."""
     spec = {
         "model": model,
         "strategy": name,
-        "budget_bytes": cfg.budget_bytes,
-        "max_model_len": _max_model_len(cfg),
+        "max_model_len": sizing.max_model_len,
+        "kv_cache_bytes": sizing.kv_cache_bytes,
+        "offload_bytes": sizing.offload_bytes,
         "agents": list(cfg.agents),
         "rounds": cfg.rounds,
         "order": cfg.order,
@@ -232,7 +236,7 @@ def _vllm(
                 "bytes_restored": 0,
             }
         )
-    return {"runs": runs, "connector": result.get("connector")}
+    return {"runs": runs, "connector": result.get("connector")} | asdict(sizing)
 
 
 def _kmesh(
@@ -295,17 +299,3 @@ def _trace(path: Path) -> list[list[Any]]:
     from kmesh.workloads.trace import load_trace
 
     return group_rounds(load_trace(path)[2])
-
-
-def _max_model_len(cfg: CapacityConfig) -> int:
-    """Room for the longest prompt and its answer, in whole pages, up to the model's 8192:
-    a system prompt and persona or task (< 160 tokens), what every earlier round appended (the
-    council: every output with its header, < output_tokens + 16 each; a trajectory: a step and
-    a tool result with their framing, < output_tokens + tool_tokens + 64), the instruction and
-    the answer."""
-    if cfg.workload == "trajectory":
-        appended = cfg.output_tokens + cfg.tool_tokens + 64
-    else:
-        appended = max(cfg.agents) * (cfg.output_tokens + 16)
-    tokens = 160 + (cfg.rounds - 1) * appended + 64 + cfg.output_tokens
-    return min(8192, -(-tokens // VLLM_PAGE) * VLLM_PAGE)

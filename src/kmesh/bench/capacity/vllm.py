@@ -1,16 +1,16 @@
 """vLLM's strategies of `kmesh bench capacity`, in their own process (vLLM spawns workers):
 `python -m kmesh.bench.capacity.vllm SPEC.json`.
 
-One vLLM instance with a KV cache of the budget (`vanilla`: prefix caching only), or half of it
-plus vLLM's own CPU offloading of the other half (`vanilla_offload`: SimpleCPUOffloadConnector),
-runs the workload (the All-Gather council, workloads/allgather.py, or agent trajectories,
-workloads/trajectory.py: a turn is a round) at each agent count, closed loop: each round
-its prompts are answered at once (greedy, `output_tokens`): `computed` is the prompt tokens
-minus vLLM's prefix-cache hit, `seconds` the last request's first-token latency (the round's
-prefill, with the decode steps vLLM interleaves), `round_seconds` the whole call; the answers
-make the next round's prompts. The prefix cache is reset between agent counts. The
-vanilla run's rounds are saved as traces that KMesh's strategies replay. A strategy vLLM cannot
-start writes its error instead.
+One vLLM instance with a KV cache of the budget (`vanilla`: prefix caching only), or half of it (at
+least one request's) plus vLLM's own CPU offloading of the rest (`vanilla_offload`:
+SimpleCPUOffloadConnector, else OffloadingConnector; bench/capacity/sizing.py sizes both) runs the
+workload (the All-Gather council, workloads/allgather.py, or agent trajectories,
+workloads/trajectory.py: a turn is a round) at each agent count, closed loop: each round its prompts
+are answered at once (greedy, `output_tokens`): `computed` is the prompt tokens minus vLLM's
+prefix-cache hit, `seconds` the last request's first-token latency (the round's prefill, with the
+decode steps vLLM interleaves), `round_seconds` the whole call; the answers make the next round's
+prompts. The prefix cache is reset between agent counts. The vanilla run's rounds are saved as
+traces that KMesh's strategies replay. A strategy vLLM cannot start writes its error instead.
 
 With `replay` (a trace) the process is KMesh through vLLM (`replay`): vLLM with KMeshConnector
 on a store the bench started, a KV cache of one request (`kv_cache_bytes`), the trace's rounds
@@ -38,16 +38,17 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
             kv_cache_bytes=spec["kv_cache_bytes"],
             max_model_len=spec["max_model_len"],
         )
-    budget = spec["budget_bytes"]
     kwargs = vllm_engine_kwargs(
-        spec["model"], connector=False, kv_cache_bytes=budget, max_model_len=spec["max_model_len"]
+        spec["model"],
+        connector=False,
+        kv_cache_bytes=spec["kv_cache_bytes"],
+        max_model_len=spec["max_model_len"],
     )
     if spec["connector"] is not None:
-        kwargs["kv_cache_memory_bytes"] = budget // 2
         kwargs["kv_transfer_config"] = {
             "kv_connector": spec["connector"],
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": budget - budget // 2},
+            "kv_connector_extra_config": {"cpu_bytes_to_use": spec["offload_bytes"]},
         }
     return kwargs
 
