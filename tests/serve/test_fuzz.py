@@ -3,7 +3,7 @@
 
 The server is the reference engine on the embedded model, in process, with a KV cache of 96
 tokens so that no generated body can hold the engine long (a bigger request gets a 400 that
-says so). KMESH_FUZZ_EXAMPLES (default 20) sets the examples per route; docs/SERVE.md has a
+says so). KMESH_FUZZ_EXAMPLES (default 20) sets the examples per route; docs/guide/service.md has a
 longer run's figures.
 """
 

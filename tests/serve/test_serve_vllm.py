@@ -294,8 +294,8 @@ def test_both_engines_stream_the_same_chat(answers):
 
 # Both engines compute in float32 with different kernels (vLLM's CPU attention and matmuls vs
 # torch's): their log-probabilities differed by at most 5.3e-5 here (three prompts of 17-520
-# characters, 16 greedy tokens, top 5: docs/SERVE.md); 1e-3 leaves room for other CPUs and is
-# still far below the gap between a greedy token and the next one in these prompts.
+# characters, 16 greedy tokens, top 5: docs/guide/exactness.md); 1e-3 leaves room for other CPUs and
+# is still far below the gap between a greedy token and the next one in these prompts.
 LOGPROB_TOLERANCE = 1e-3
 
 

@@ -52,7 +52,7 @@ class Calibration:
 # docs/results/frontier/allgather-8x3-seed1-vllm.json` (two 8-agent, 3-round All-Gather traces,
 # seeds 0 and 1), the settings no other beats on both KL p95 and tokens. No setting keeps a
 # round's outputs identical to full prefill's (the best least round is 0.125), so "greedy" is
-# served exactly; docs/COLLECTIVE.md, "Quality targets".
+# served exactly; docs/design/collective-recovery.md, "Quality targets instead of knobs".
 EMBEDDED = "9dc0bdf2075e27a94f59a01c2f1c52b6e9429b23dbd9992351a18c5485bd6382"
 # kind, label (the frontier point's knobs), ratio, master, gate, KL p95, identical_min, tokens
 _EMBEDDED_ROWS: tuple[tuple[str, str, float, str | None, float, float, float, float], ...] = (

@@ -22,7 +22,7 @@ spaced `gate_sample` share of the reusable tokens (at least one per region, at m
 to the prefix and the reused KV of the rest; the other reusable tokens keep their reused KV at
 every layer. The mean over the sample estimates the region's mean deviation; its precision
 follows the sample's size, not the region's, so the cap keeps the gate's cost flat as regions
-grow (docs/COLLECTIVE.md, "The gate's sample"). Layer 0 cannot serve as check layer: its keys
+grow (docs/design/collective-recovery.md, "The gate"). Layer 0 cannot serve as check layer: its keys
 depend on the token and position only, so re-rotated keys never deviate there.
 
 Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
@@ -37,7 +37,8 @@ import torch
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput, SequenceOutput
 from kmesh.recovery.policies import check_policy, needs_check_layer, select
 
-# Most reusable tokens a sampled gate reads per region (docs/COLLECTIVE.md, "The gate's sample").
+# Most reusable tokens a sampled gate reads per region (docs/design/collective-recovery.md, "The
+# gate").
 GATE_SAMPLE_MAX = 64
 
 

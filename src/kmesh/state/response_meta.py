@@ -64,8 +64,7 @@ class RecoveryStats(_Stats):
     )
     restored_tokens: int | None = Field(
         default=None,
-        description="Claimed rows restored from the store: a transcript another request "
-        "published.",
+        description="Claimed rows restored from the store: a transcript another request published.",
     )
     restored_bytes: int | None = Field(
         default=None, description="The bytes read from the store for `restored_tokens`."

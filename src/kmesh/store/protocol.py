@@ -3,7 +3,7 @@
 A connection carries frames (framing.py), each holding one MessagePack map (encoded with
 `msgspec.msgpack`). The client sends one request and reads one answer; the store answers
 requests of a connection in order, and answers an `acquire` that waits only when the wait is over
-(see docs/STORE_PROTOCOL.md).
+(see docs/reference/store-protocol.md).
 
 Every map carries `op` (the message type) and `v` (PROTOCOL_VERSION); a request also carries
 `tenant`. The store decodes a request in two steps, so that a client of another version gets a

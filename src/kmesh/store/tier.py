@@ -23,10 +23,10 @@ Spare segments: a client may ask for segments made ahead (`make_spares`), fault 
 from its own process (writing zeros) and hand them back (`warmed`); a later reservation of
 exactly that size takes a warm spare instead of fresh memory. On a virtual machine that returns
 freed memory to its host, a write into never-touched pages runs at a tenth of memory speed
-(docs/AGENTS.md); vLLM touches its own KV cache once, at start, and the spares let the store's
-memory be touched at start too. Spares hold no entry: they never reach a reader, they are given
-up (unlinked) before any entry is evicted for room, and capacity bounds entries, reservations
-and spares together.
+(docs/design/performance.md); vLLM touches its own KV cache once, at start, and the spares let
+the store's memory be touched at start too. Spares hold no entry: they never reach a reader, they
+are given up (unlinked) before any entry is evicted for room, and capacity bounds entries,
+reservations and spares together.
 
 A remote tier (remote/mooncake_tier.py) stands behind this one: the store looks a local miss up
 there and copies the bytes into a reserved local segment (`fill`), so clients only ever see local

@@ -1,4 +1,5 @@
-"""Activated LoRA adapters inside vLLM, which refuses them (docs/FINDINGS.md, section 10).
+"""Activated LoRA adapters inside vLLM, which refuses them (docs/design/vllm-integration.md,
+section 10).
 
 An activated adapter (peft's `alora_invocation_tokens`, kmesh/compute/lora.py) applies from the
 last occurrence of its invocation sequence in the prompt on, and nowhere without one; every token

@@ -1,6 +1,6 @@
 """How to start vLLM with KMeshConnector (offline `vllm.LLM(**kwargs)` or `AsyncEngineArgs`).
 
-CPU defaults from ../shared/VLLM.md: eager mode (start ~40 s instead of ~125 s on 2 cores), an
+CPU defaults (docs/design/performance.md): eager mode (start ~40 s instead of ~125 s on 2 cores), an
 explicit KV cache size, float32 by default (the reference engine's dtype, so the two engines can be
 compared token for token; `dtype="bfloat16"` gives what vLLM's own "auto" picks on a CPU with
 bfloat16, for this float32 model folder too, and recovery runs in it as well). A failed load from
@@ -21,7 +21,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # The model's and the KV cache's dtype (the module docstring says why float32).
 DEFAULT_DTYPE = "float32"
 # vLLM's page size in tokens on CPU (a multiple of 32; vLLM's own default is 128). See
-# docs/FINDINGS.md for the measurement that chose it.
+# docs/design/vllm-integration.md for the measurement that chose it.
 DEFAULT_BLOCK_SIZE = 32
 # vLLM's worker_cls: the platform's worker, attaching recovery at startup (kmesh/vllm/worker.py).
 WORKER = "kmesh.vllm.worker.KMeshWorker"
@@ -29,12 +29,12 @@ WORKER = "kmesh.vllm.worker.KMeshWorker"
 # heap (no mmap: glibc maps anything above 32 MiB whatever its threshold is set to, and a mapped
 # buffer's pages fault again on every use), up to 16 GiB of freed memory kept for reuse (above any
 # worker's heap reserve, kmesh/vllm/heap_reserve.py; 1 GiB until stop 53). Recovery makes many
-# short-lived tensors of a few MiB to a few hundred (a region's KV at 32 agents: 56 MiB a
-# tensor). The heap grows to the worker's peak once and is reused after; it is not returned to
-# the system below that peak while the server runs.
-# Measured on the agents bench's round (16 siblings, 15 mirrored), with the threshold at 32 MiB:
-# 6.6 s -> 4.2 s; no mmap at all (32 agents, round 2's siblings, docs/AGENTS.md): 13.1 -> 8.2 s.
-# Vanilla vLLM's servers in the benches get the same (kmesh/serve/process.py).
+# short-lived tensors of a few MiB to a few hundred (a region's KV at 32 agents: 56 MiB a tensor).
+# The heap grows to the worker's peak once and is reused after; it is not returned to the system
+# below that peak while the server runs. Measured on the agents bench's round (16 siblings, 15
+# mirrored), with the threshold at 32 MiB: 6.6 s -> 4.2 s; no mmap at all (32 agents, round 2's
+# siblings, docs/design/performance.md): 13.1 -> 8.2 s. Vanilla vLLM's servers in the benches get
+# the same (kmesh/serve/process.py).
 ALLOCATOR_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(16 << 30),

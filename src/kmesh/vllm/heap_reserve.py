@@ -4,8 +4,8 @@ so that recovery's short-lived buffers land on pages the process already holds.
 Why: on this VM (and on any host that takes freed guest memory back) the first write to a page
 costs about 6 microseconds. Recovery's buffers (regions, prefixes read back from vLLM's pages,
 transcript pieces) grow with every round, so each round's recovering step pushed the heap to a
-new peak and faulted 66,000-116,000 pages at 16 agents (docs/AGENTS.md, "A warm heap for the
-worker").
+new peak and faulted 66,000-116,000 pages at 16 agents (docs/design/performance.md, "Memory:
+the allocator and first-touch pages").
 
 Contract: `warm(nbytes)` allocates `nbytes` from the heap, writes every page, frees it, and
 returns how much the process's resident memory grew and stayed (free heap already resident is
@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # Reserve / KV cache bytes: with a 4 GiB cache the worker's heap grew 1.1 GB over three rounds of
-# 16 agents (docs/AGENTS.md).
+# 16 agents (docs/design/performance.md).
 RESERVE_PER_KV_BYTE = 0.5
 # Most of MemAvailable a reserve may take.
 MAX_SHARE_OF_AVAILABLE = 0.25

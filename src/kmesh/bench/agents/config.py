@@ -24,7 +24,8 @@ class AgentsBenchConfig:
     rounds: int = 3
     seed: int = 0
     order: str = "shuffle"
-    # The SLO on time to first token (p99 over a run's calls); docs/AGENTS.md says why this value.
+    # The SLO on time to first token (p99 over a run's calls); docs/benchmarks.md, agents, says why
+    # this value.
     slo_ttft_s: float = 10.0
     # Greedy tokens per message.
     max_tokens: int = 48
@@ -33,9 +34,9 @@ class AgentsBenchConfig:
     # Both servers' vLLM KV cache, and the KMesh store's capacity.
     kv_cache: str = "4G"
     store_capacity: str = "8G"
-    # Both vLLM servers' dtype. float32: in bfloat16, what plain `vllm serve` picks itself for
-    # this model here, vLLM's own greedy outputs change with the batch a call ran in, so no
-    # strategy can be checked for identical messages (docs/AGENTS.md, "The dtype"). The reference
+    # Both vLLM servers' dtype. float32: in bfloat16, what plain `vllm serve` picks itself for this
+    # model here, vLLM's own greedy outputs change with the batch a call ran in, so no strategy can
+    # be checked for identical messages (docs/design/performance.md, "The dtype"). The reference
     # engine computes in float32 whatever this says.
     dtype: str = "float32"
     # kmesh_per_request's recompute ratio; kmesh_collective's per-agent ratio.

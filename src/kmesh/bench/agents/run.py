@@ -51,7 +51,7 @@ from kmesh.workloads.agent_chats import AgentCall, AgentChats
 SAMPLE_S = 1.0
 SERIAL_CHECK_AGENTS = 16
 # Whose calls the serial check sends again: kmesh_exact's, and plain vLLM's as the control (in
-# bfloat16 vLLM's own greedy outputs change with the batch they ran in: docs/AGENTS.md).
+# bfloat16 vLLM's own greedy outputs change with the batch they ran in: docs/design/performance.md).
 SERIAL_CHECKED = ("vllm", "kmesh_exact")
 REQUEST_TIMEOUT_S = 900
 

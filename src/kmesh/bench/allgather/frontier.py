@@ -44,9 +44,9 @@ def _points(strategy: str, knob: str, values: Sequence[Any], **fixed: Any) -> li
 # The sweep's grid. The knobs: per_request's recompute ratio; collective's agent ratio (sibling
 # master, the default, and the common one); and the gate's threshold, the runtime's own signal
 # (normal reuse deviates 0.006-0.022 at layer 1 on the embedded model, so thresholds in that range
-# send the most deviant regions to the engine's exact prefill). A first sweep (agent ratios 0.5
-# and 0.7, per_request 0.5, the common master at 0.3; docs/COLLECTIVE.md) found no point of those
-# on a frontier; the gate's thresholds took their place.
+# send the most deviant regions to the engine's exact prefill). A first sweep (agent ratios 0.5 and
+# 0.7, per_request 0.5, the common master at 0.3; docs/benchmarks.md, quality frontier) found no
+# point of those on a frontier; the gate's thresholds took their place.
 POINTS: tuple[Point, ...] = (
     *_points("per_request", "recompute_ratio", (0.15, 0.3, 0.7, 0.9)),
     *_points("per_request", "gate", (0.01,), recompute_ratio=0.3),

@@ -8,7 +8,7 @@ the connector on a store of its own (started on loopback and stopped):
   (kmesh/vllm/activated.py::activated_lora_request), all agents sent at once: the first fills
   the context's base-model rows (KMesh's executor on vLLM's base layers) and publishes them under
   base keys, the others load them from the store and fill their own rows up to their start.
-- residual: not built in vLLM (docs/FINDINGS.md, section 10); its runs are empty.
+- residual: not built in vLLM (docs/design/vllm-integration.md, section 10); its runs are empty.
 
 Each strategy and agent count runs under a cache_salt of its own (nothing crosses runs). The
 references are the reference engine's, computed once for the most agents (agent i's prompt is the
@@ -37,7 +37,7 @@ from kmesh.vllm.activated import activated_lora_request
 
 NOT_BUILT = (
     "base + low-rank residual is not built in vLLM: its attention reads whole K/V pages and has "
-    "no residual hook (docs/FINDINGS.md, section 10)"
+    "no residual hook (docs/design/vllm-integration.md, section 10)"
 )
 STORE_CAPACITY = "2G"
 

@@ -1,5 +1,5 @@
 """The remote tier behind the local one: stores on several machines share entries through
-Mooncake Store (docs/REMOTE.md).
+Mooncake Store (docs/design/remote-tier.md).
 
 front.py is what the local store (state_machine.py) asks of the remote tier and does with the
 answers (no I/O); worker.py is the thread that carries those commands out; mooncake_tier.py holds
