@@ -268,8 +268,8 @@ class KMeshParams(BaseModel):
         default=True,
         description="Inside vLLM: take (and leave for later requests) the rows of partly used "
         "pages that earlier requests of the engine computed; false: vLLM's own whole-page "
-        "prefix caching only. The reference engine's prefix reuse is token-granular and "
-        "ignores it.",
+        "prefix caching only. The reference engine ignores it (it reuses whole 16-token "
+        "blocks; its forks continue below a block on their own).",
     )
     # coord/future_use.py: the store's future-use retention.
     next_use: float | None = Field(
