@@ -22,13 +22,14 @@ failure to use the store is a StoreError (errors.py): the fallback is always "co
 
 A leader must publish or abandon each led key before its lease (Acquired.lease seconds) runs
 out; any request, `renew()` included, renews it. A client is one connection: not thread-safe,
-and its claims, pins and families end with it. With `key` (a store started with --api-keys;
-engines take it from the KMESH_STORE_KEY environment variable) it says hello first, and its
-tenant is then a namespace within the key's tenant.
+and its claims, pins and families end with it (`holding` says whether it has any). With `key`
+(a store started with --api-keys; engines take it from the KMESH_STORE_KEY environment
+variable) it says hello first, and its tenant is then a namespace within the key's tenant.
 """
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ from kmesh.store.protocol import (
     MAX_WAIT_S,
     Abandon,
     Acquire,
+    AnyAnswer,
     AnyRequest,
     CloseFamily,
     Commit,
@@ -145,8 +147,23 @@ class StoreClient(Closing):
         self.tenant = None if tenant is None else _check_name("tenant", tenant)
         self.timeout = timeout
         self._connection = Connection(self.socket_path, timeout)
+        self._led: set[bytes] = set()  # keys the store answered this client leads, not yet let go
+        self._families: set[str] = set()  # families it pinned entries for, not yet closed
+        self._lease = 0.0  # the store's lease (seconds), from its last Acquired answer
+        self._lease_end = 0.0  # monotonic time by which the store has let the claims go
         if key is not None:
             self._count(Hello(key=key, tenant=self.tenant))
+
+    @property
+    def holding(self) -> bool:
+        """Whether closing this client would let go of something the store ties to its
+        connection: a family's pins (pin, or acquire/commit with a family, until close_family)
+        or a claim it leads (from acquire/wait until commit, abandon, a refused reserve, or its
+        lease running out with no request from this client; its reservation goes with it). A
+        read's mapping is not the connection's (a closed client's reads stay valid)."""
+        if self._connection.closed:
+            return False
+        return bool(self._families) or (bool(self._led) and time.monotonic() < self._lease_end)
 
     def acquire(self, keys: Sequence[bytes], family: str | None = None) -> Acquired:
         """Hits for the published prefix of `keys`, then either the keys this client now leads
@@ -164,7 +181,7 @@ class StoreClient(Closing):
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The indices in `keys` of the published ones, each looked up on its own (a probe of
         candidate keys); claims, pins and waits for nothing."""
-        answer = self._connection.call(Lookup(_check_keys(keys), tenant=self.tenant))
+        answer = self._call(Lookup(_check_keys(keys), tenant=self.tenant))
         if not isinstance(answer, Found) or any(not 0 <= i < len(keys) for i in answer.present):
             raise self._connection.unexpected(answer)
         return answer.present
@@ -240,8 +257,9 @@ class StoreClient(Closing):
         key = _check_key(key)
         if size < 1:
             raise ValueError(f"a payload needs at least one byte, got size {size}")
-        answer = self._connection.call(Reserve(key, size, tenant=self.tenant))
-        if isinstance(answer, Refused):
+        answer = self._call(Reserve(key, size, tenant=self.tenant))
+        if isinstance(answer, Refused):  # the claim was released, or was not this client's
+            self._led.discard(key)
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Reserved):
             raise self._connection.unexpected(answer)
@@ -262,15 +280,23 @@ class StoreClient(Closing):
         if family is not None:
             _check_name("family", family)
         request = Commit(key, crc, meta_bytes, family, next_use, tenant=self.tenant)
-        answer = self._connection.call(request)
+        answer = self._call(request)
         if isinstance(answer, Refused):
+            if answer.code == "not_leader":
+                self._led.discard(key)
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Done):
             raise self._connection.unexpected(answer)
+        self._led.discard(key)
+        if family is not None:
+            self._families.add(family)
 
     def abandon(self, keys: Sequence[bytes]) -> int:
         """Give up leading `keys` (waiters get promoted); returns how many were led."""
-        return self._count(Abandon(_check_keys(keys), tenant=self.tenant))
+        checked = _check_keys(keys)
+        count = self._count(Abandon(checked, tenant=self.tenant))
+        self._led.difference_update(checked)
+        return count
 
     def pin(self, family: str, keys: Sequence[bytes], next_use: float | None = None) -> int:
         """Declare that `family` reads the published entries of `keys` again, at `next_use` (an
@@ -278,11 +304,16 @@ class StoreClient(Closing):
         this client closes: the store evicts them last (kmesh/coord/future_use.py); returns how
         many are pinned."""
         family = _check_name("family", family)
-        return self._count(Pin(family, _check_keys(keys), next_use, tenant=self.tenant))
+        count = self._count(Pin(family, _check_keys(keys), next_use, tenant=self.tenant))
+        if count:
+            self._families.add(family)
+        return count
 
     def close_family(self, family: str) -> int:
         """Release the family's pins; returns how many entries it had pinned."""
-        return self._count(CloseFamily(_check_name("family", family), tenant=self.tenant))
+        count = self._count(CloseFamily(_check_name("family", family), tenant=self.tenant))
+        self._families.discard(family)
+        return count
 
     def drop(self, hit: Hit) -> bool:
         """Report a hit's entry as bad: the store forgets it (if it is still that entry)."""
@@ -300,7 +331,7 @@ class StoreClient(Closing):
             raise ValueError(f"a spare needs at least one byte, got size {size}")
         warm = 0
         while count > 0:
-            answer = self._connection.call(Prefault(size, min(count, MAX_KEYS), tenant=self.tenant))
+            answer = self._call(Prefault(size, min(count, MAX_KEYS), tenant=self.tenant))
             if not isinstance(answer, Spares):
                 raise self._connection.unexpected(answer)
             touched = touch_segments(answer.names, size)
@@ -312,20 +343,29 @@ class StoreClient(Closing):
 
     def stats(self) -> dict[str, int]:
         """The store's counters (capacity and bytes used are the whole store's)."""
-        answer = self._connection.call(Stats(tenant=self.tenant))
+        answer = self._call(Stats(tenant=self.tenant))
         if not isinstance(answer, StatsInfo):
             raise self._connection.unexpected(answer)
         return {k: v for k, v in msgspec.structs.asdict(answer).items() if k != "v"}
 
     def close(self) -> None:
         self._connection.close()
+        self._led.clear()
+        self._families.clear()
+
+    def _call(self, request: AnyRequest, wait: float = 0.0) -> AnyAnswer:
+        """The store's answer; the request renewed this client's lease (from the store's
+        receipt, which is no later than now)."""
+        answer = self._connection.call(request, wait)
+        self._lease_end = time.monotonic() + self._lease
+        return answer
 
     def _acquire(self, keys: Sequence[bytes], wait: float, family: str | None) -> Acquired:
         checked = _check_keys(keys)
         if family is not None:
             _check_name("family", family)
         request = Acquire(checked, wait=wait, family=family, tenant=self.tenant)
-        answer = self._connection.call(request, wait)
+        answer = self._call(request, wait)
         if not isinstance(answer, AcquiredAnswer):
             raise self._connection.unexpected(answer)
         found = len(answer.hits)
@@ -333,6 +373,11 @@ class StoreClient(Closing):
             answer.wait and (answer.lead or found == len(checked))
         ):
             raise self._connection.unexpected(answer)
+        self._lease = answer.lease
+        self._lease_end = time.monotonic() + answer.lease
+        self._led.update(checked[found : found + answer.lead])
+        if family is not None and found:
+            self._families.add(family)
         return Acquired(
             hits=tuple(
                 Hit(key, h.name, h.size, h.checksum, h.meta)
@@ -344,7 +389,7 @@ class StoreClient(Closing):
         )
 
     def _count(self, request: AnyRequest) -> int:
-        answer = self._connection.call(request)
+        answer = self._call(request)
         if not isinstance(answer, Done):
             raise self._connection.unexpected(answer)
         return answer.count

@@ -67,6 +67,10 @@ class Connection:
         self.close()
         return StoreUnavailable(f"unexpected answer from the store: {answer!r:.200}")
 
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
