@@ -15,7 +15,7 @@ from kmesh.workloads.trace import load_trace, save_trace
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
 AGENTS = 3
-TRACE = Path(__file__).parents[2] / "docs" / "results" / "allgather-trace-8x3.jsonl"
+TRACE = Path(__file__).parents[3] / "docs" / "results" / "allgather-trace-8x3.jsonl"
 
 
 @pytest.fixture(scope="module")

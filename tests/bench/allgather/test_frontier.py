@@ -23,7 +23,7 @@ from kmesh.bench.allgather.frontier import (
 from kmesh.bench.allgather.frontier_report import below_lines, frontier_rows, plot_frontier
 from kmesh.bench.allgather.run import AllGatherBench
 from kmesh.engine.engine import Engine
-from tests.bench.test_closed_loop import WORKLOAD, ByteTokenizer
+from tests.bench.allgather.test_closed_loop import WORKLOAD, ByteTokenizer
 from tests.cli.test_cli import kmesh_in_process
 from tests.conftest import synthetic_allgather_turns
 
