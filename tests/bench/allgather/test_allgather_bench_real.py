@@ -34,7 +34,7 @@ def test_policy_full_is_exact_and_no_recovery_is_visibly_worse(real_model, turns
     none = bench(policy="none", recompute_ratio=0.0)
     quality = none.summary(none.run("per_request"))["quality"]
     # Outputs reused from their authors' contexts without recovery: badly off on this model
-    # (../shared/MEASUREMENTS.md measured KL 0.74 on a similar council).
+    # (KL about 0.74 measured on a similar council before the bench existed).
     assert quality["kl_mean"] > 0.05
 
 

@@ -24,7 +24,7 @@ def test_restore_through_the_remote_tier_and_singleflight_across_two_machines():
     assert row["remote_outputs_identical"]
     # NOTE: a ratio of wall times, rounded to 0.1: the tiny model recomputes 64 tokens in about a
     # millisecond, so it may round to 0 (seen under make test's three processes). Its presence is
-    # checked; the figure is the bench's on the embedded model (docs/REMOTE.md).
+    # checked; the figure is the bench's on the embedded model (docs/benchmarks.md, restore).
     assert row["restore_remote_seconds"] > 0 and row["recompute_over_restore_remote"] >= 0
     together = report["concurrency"]
     assert together["local_tiers"] == 2
