@@ -15,8 +15,9 @@ from kmesh.extras import VLLM, require
 
 def _bench_capacity(args: argparse.Namespace) -> None:
     require(VLLM, "kmesh bench capacity")  # vanilla vLLM's rounds are the trace
+    from kmesh.bench.capacity.config import CapacityConfig
     from kmesh.bench.capacity.report import plot, print_report
-    from kmesh.bench.capacity.run import CapacityConfig, run_capacity_bench
+    from kmesh.bench.capacity.run import run_capacity_bench
 
     cfg = config_from_args(CapacityConfig, args)
     log = progress()
@@ -25,7 +26,7 @@ def _bench_capacity(args: argparse.Namespace) -> None:
 
 
 def register(benches: Commands) -> None:
-    from kmesh.bench.capacity.run import CapacityConfig
+    from kmesh.bench.capacity.config import CapacityConfig
     from kmesh.workloads.allgather import ORDERS
 
     default = CapacityConfig()

@@ -4,7 +4,7 @@ against vLLM's own arithmetic: pages of the KV cache, less its null page, hold m
 import pytest
 
 from kmesh.bench.capacity.accounting import VLLM_PAGE
-from kmesh.bench.capacity.run import CapacityConfig
+from kmesh.bench.capacity.config import CapacityConfig
 from kmesh.bench.capacity.sizing import check_budget, engine_sizing, max_model_len
 from kmesh.errors import InvalidRequestError
 

@@ -36,7 +36,7 @@ memory effect alone.
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,24 +46,13 @@ from kmesh.bench.capacity.accounting import (
     max_agents,
     token_bytes,
 )
+from kmesh.bench.capacity.config import CapacityConfig
 from kmesh.bench.capacity.process import run_vllm_process
 from kmesh.bench.capacity.replay import KMESH_VLLM_STRATEGIES, kmesh_through_vllm
 from kmesh.bench.capacity.sizing import EngineSizing, check_budget, engine_sizing
 from kmesh.errors import InvalidRequestError
 from kmesh.workloads.allgather import new_tokens
 
-STRATEGIES = (
-    "vanilla",
-    "vanilla_offload",
-    "kmesh_dense",
-    "kmesh",
-    "kmesh_lru",
-    "kmesh_vllm",
-    "kmesh_vllm_lru",
-)
-WORKLOADS = ("allgather", "trajectory")
-# Trajectories hold no masters: every piece is dense, so kmesh_dense would be kmesh.
-TRAJECTORY_STRATEGIES = ("vanilla", "vanilla_offload", "kmesh", "kmesh_lru")
 VLLM_STRATEGIES = ("vanilla", "vanilla_offload")
 # KMesh strategy -> (piece layout, pieces declared for their next use, store retention)
 KMESH_STRATEGIES = {
@@ -71,56 +60,8 @@ KMESH_STRATEGIES = {
     "kmesh": ("mirror", True, "future_use"),
     "kmesh_lru": ("mirror", False, "lru"),
 }
-# max_agents: every round within this many times its new tokens (a trajectory's: its append).
-LIMITS = {"allgather": 2.0, "trajectory": 1.5}
 # vLLM's own offloading to CPU memory, tried in this order for vanilla_offload.
 OFFLOAD_CONNECTORS = ("SimpleCPUOffloadConnector", "OffloadingConnector")
-
-
-@dataclass(frozen=True, slots=True)
-class CapacityConfig:
-    agents: tuple[int, ...] = (4, 8, 16, 32)
-    rounds: int = 3
-    budget_mib: int = 512
-    order: str = "shuffle"
-    seed: int = 0
-    output_tokens: int = 48
-    agent_ratio: float = 0.0
-    workload: str = "allgather"
-    tool_tokens: int = 256  # trajectory: a tool result's tokens
-    strategies: tuple[str, ...] = ()  # () for every strategy of the workload
-
-    def __post_init__(self) -> None:
-        if not self.agents or min(self.agents) < 2:
-            raise InvalidRequestError("--agents needs agent counts of at least 2, like 4,8,16")
-        if self.rounds < 2:
-            raise InvalidRequestError("--rounds must be at least 2 (state held between rounds)")
-        if self.budget_mib < 1:
-            raise InvalidRequestError("--budget-mib must be at least 1")
-        if self.workload not in WORKLOADS:
-            raise InvalidRequestError(f"--workload must be one of {', '.join(WORKLOADS)}")
-        allowed = TRAJECTORY_STRATEGIES if self.workload == "trajectory" else STRATEGIES
-        unknown = set(self.strategies) - set(allowed)
-        if unknown or (self.strategies and "vanilla" not in self.strategies):
-            raise InvalidRequestError(
-                f"--strategies must include vanilla (its rounds are the trace) and name only "
-                f"{', '.join(allowed)} for the {self.workload} workload; got "
-                f"{', '.join(self.strategies)}"
-            )
-
-    @property
-    def chosen(self) -> tuple[str, ...]:
-        if self.strategies:
-            return self.strategies
-        return TRAJECTORY_STRATEGIES if self.workload == "trajectory" else STRATEGIES
-
-    @property
-    def limit(self) -> float:
-        return LIMITS[self.workload]
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.budget_mib << 20
 
 
 def run_capacity_bench(

@@ -9,13 +9,10 @@ request, the least vLLM starts with. A budget below that is refused before anyth
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kmesh.bench.capacity.accounting import VLLM_PAGE
+from kmesh.bench.capacity.config import CapacityConfig
 from kmesh.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from kmesh.bench.capacity.run import CapacityConfig
 
 # The embedded model's context (SmolLM2's max_position_embeddings), vLLM's default max_model_len.
 MODEL_MAX_LEN = 8192
@@ -30,7 +27,7 @@ class EngineSizing:
     offload_bytes: int  # the rest: vLLM's CPU offloading or KMesh's store (vanilla: 0)
 
 
-def max_model_len(cfg: "CapacityConfig") -> int:
+def max_model_len(cfg: CapacityConfig) -> int:
     """Room for the longest prompt and its answer, in whole pages, up to the model's 8192:
     a system prompt and persona or task (< 160 tokens), what every earlier round appended (the
     council: every output with its header, < output_tokens + 16 each; a trajectory: a step and
@@ -44,13 +41,13 @@ def max_model_len(cfg: "CapacityConfig") -> int:
     return min(MODEL_MAX_LEN, -(-tokens // VLLM_PAGE) * VLLM_PAGE)
 
 
-def request_kv_bytes(cfg: "CapacityConfig", per_token: int) -> int:
+def request_kv_bytes(cfg: CapacityConfig, per_token: int) -> int:
     """KV bytes of one request of max_model_len: the least KV cache vLLM starts with.
     NOTE: vLLM keeps one page of its KV cache as the null block, hence the page more."""
     return (max_model_len(cfg) + VLLM_PAGE) * per_token
 
 
-def check_budget(cfg: "CapacityConfig", per_token: int) -> None:
+def check_budget(cfg: CapacityConfig, per_token: int) -> None:
     """Refuse, in one line, a budget that holds no more than one request's KV cache (the
     least any strategy computes in), naming the least budget this workload runs with."""
     request = request_kv_bytes(cfg, per_token)
@@ -63,7 +60,7 @@ def check_budget(cfg: "CapacityConfig", per_token: int) -> None:
         )
 
 
-def engine_sizing(cfg: "CapacityConfig", strategy: str, per_token: int) -> EngineSizing:
+def engine_sizing(cfg: CapacityConfig, strategy: str, per_token: int) -> EngineSizing:
     """The max_model_len, KV cache and offloaded bytes of `strategy`'s vLLM engine (module
     docstring)."""
     check_budget(cfg, per_token)
