@@ -29,7 +29,6 @@ variable) it says hello first, and its tenant is then a namespace within the key
 
 import contextlib
 import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,7 @@ import msgspec
 from kmesh.store.closing import Closing
 from kmesh.store.connection import Connection
 from kmesh.store.errors import EntryLost, StoreError, StoreRefused
+from kmesh.store.holdings import Holdings
 from kmesh.store.protocol import (
     KEY_BYTES,
     MAX_KEYS,
@@ -147,10 +147,7 @@ class StoreClient(Closing):
         self.tenant = None if tenant is None else _check_name("tenant", tenant)
         self.timeout = timeout
         self._connection = Connection(self.socket_path, timeout)
-        self._led: set[bytes] = set()  # keys the store answered this client leads, not yet let go
-        self._families: set[str] = set()  # families it pinned entries for, not yet closed
-        self._lease = 0.0  # the store's lease (seconds), from its last Acquired answer
-        self._lease_end = 0.0  # monotonic time by which the store has let the claims go
+        self._holdings = Holdings()
         if key is not None:
             self._count(Hello(key=key, tenant=self.tenant))
 
@@ -163,7 +160,7 @@ class StoreClient(Closing):
         read's mapping is not the connection's (a closed client's reads stay valid)."""
         if self._connection.closed:
             return False
-        return bool(self._families) or (bool(self._led) and time.monotonic() < self._lease_end)
+        return self._holdings.any()
 
     def acquire(self, keys: Sequence[bytes], family: str | None = None) -> Acquired:
         """Hits for the published prefix of `keys`, then either the keys this client now leads
@@ -259,7 +256,7 @@ class StoreClient(Closing):
             raise ValueError(f"a payload needs at least one byte, got size {size}")
         answer = self._call(Reserve(key, size, tenant=self.tenant))
         if isinstance(answer, Refused):  # the claim was released, or was not this client's
-            self._led.discard(key)
+            self._holdings.let_go((key,))
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Reserved):
             raise self._connection.unexpected(answer)
@@ -283,19 +280,19 @@ class StoreClient(Closing):
         answer = self._call(request)
         if isinstance(answer, Refused):
             if answer.code == "not_leader":
-                self._led.discard(key)
+                self._holdings.let_go((key,))
             raise StoreRefused(answer.code, answer.reason)
         if not isinstance(answer, Done):
             raise self._connection.unexpected(answer)
-        self._led.discard(key)
+        self._holdings.let_go((key,))
         if family is not None:
-            self._families.add(family)
+            self._holdings.families.add(family)
 
     def abandon(self, keys: Sequence[bytes]) -> int:
         """Give up leading `keys` (waiters get promoted); returns how many were led."""
         checked = _check_keys(keys)
         count = self._count(Abandon(checked, tenant=self.tenant))
-        self._led.difference_update(checked)
+        self._holdings.let_go(checked)
         return count
 
     def pin(self, family: str, keys: Sequence[bytes], next_use: float | None = None) -> int:
@@ -306,13 +303,13 @@ class StoreClient(Closing):
         family = _check_name("family", family)
         count = self._count(Pin(family, _check_keys(keys), next_use, tenant=self.tenant))
         if count:
-            self._families.add(family)
+            self._holdings.families.add(family)
         return count
 
     def close_family(self, family: str) -> int:
         """Release the family's pins; returns how many entries it had pinned."""
         count = self._count(CloseFamily(_check_name("family", family), tenant=self.tenant))
-        self._families.discard(family)
+        self._holdings.families.discard(family)
         return count
 
     def drop(self, hit: Hit) -> bool:
@@ -350,14 +347,13 @@ class StoreClient(Closing):
 
     def close(self) -> None:
         self._connection.close()
-        self._led.clear()
-        self._families.clear()
+        self._holdings.clear()
 
     def _call(self, request: AnyRequest, wait: float = 0.0) -> AnyAnswer:
         """The store's answer; the request renewed this client's lease (from the store's
         receipt, which is no later than now)."""
         answer = self._connection.call(request, wait)
-        self._lease_end = time.monotonic() + self._lease
+        self._holdings.renewed()
         return answer
 
     def _acquire(self, keys: Sequence[bytes], wait: float, family: str | None) -> Acquired:
@@ -373,11 +369,9 @@ class StoreClient(Closing):
             answer.wait and (answer.lead or found == len(checked))
         ):
             raise self._connection.unexpected(answer)
-        self._lease = answer.lease
-        self._lease_end = time.monotonic() + answer.lease
-        self._led.update(checked[found : found + answer.lead])
+        self._holdings.leading(checked[found : found + answer.lead], answer.lease)
         if family is not None and found:
-            self._families.add(family)
+            self._holdings.families.add(family)
         return Acquired(
             hits=tuple(
                 Hit(key, h.name, h.size, h.checksum, h.meta)
