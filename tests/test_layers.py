@@ -4,8 +4,9 @@
 1  compute, kv                     the executor, RoPE, paged and master-mirror KV
 2  recovery, coord, store          the mechanisms: recovery, future-use coordination, the store
 3  engine, vllm, adapters          the two engines that run them (and adapters made with one)
-4  workloads, serve                callers of an engine
-5  bench, demo, cli                measurement and the command line
+4  workloads, serve, extras        callers of an engine; the check for optional dependencies
+5  bench, demo, cli,               measurement and the command line; the reference pages
+   reference_docs                  rendered from the command line and the models
 
 A subpackage (kmesh/store/remote/) is in its top package's layer. And no kmesh modules import
 each other in a circle.
@@ -31,9 +32,11 @@ LAYERS = {
     "adapters": 3,
     "workloads": 4,
     "serve": 4,
+    "extras": 4,
     "bench": 5,
     "demo": 5,
     "cli": 5,
+    "reference_docs": 5,
 }
 ROOT = Path(kmesh.__file__).parent
 
