@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException
 
 from kmesh.errors import KMeshError
 from kmesh.serve.backend import EngineStoppedError
-from kmesh.serve.schema import NOT_UNICODE, LoneSurrogate, error_body, lone_surrogate
+from kmesh.serve.schema import error_body
+from kmesh.serve.unicode_text import NOT_UNICODE, LoneSurrogate, lone_surrogate
 from kmesh.state.tenants import AuthenticationError
 
 access = logging.getLogger("kmesh.serve.access")

@@ -11,7 +11,6 @@ surrogate ("\\ud800", half of a UTF-16 pair), which no tokenizer, log or UTF-8 a
 a body is refused with a 400 (kmesh/serve/errors.py words it).
 """
 
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,10 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-# pydantic's error type for a string that is not Unicode text (it checks only constrained
-# strings itself; _Body checks them all, under the same type).
-NOT_UNICODE = "string_unicode"
-_SURROGATE = re.compile("[\ud800-\udfff]")
+from kmesh.serve.unicode_text import NOT_UNICODE, lone_surrogate
 
 
 class _Body(BaseModel):
@@ -47,38 +43,6 @@ class _Body(BaseModel):
             ctx = {"field": found.field, "index": found.index, "code": found.code}
             raise PydanticCustomError(NOT_UNICODE, "the text is not valid Unicode", ctx)
         return data
-
-
-@dataclass(frozen=True, slots=True)
-class LoneSurrogate:
-    """A string that is not Unicode text: where it is, and its first lone surrogate."""
-
-    # Dotted, within the value searched ("": the value is that string); any surrogate in a key
-    # is written as its escape, so the name can be printed and sent back.
-    field: str
-    # The surrogate's index in the string, and its code (0xD800 to 0xDFFF).
-    index: int
-    code: int
-
-
-def lone_surrogate(value: Any, field: str = "") -> LoneSurrogate | None:
-    """The first string in `value` (a JSON value: strings, lists, and dicts, keys included)
-    that holds a lone surrogate; None if every one is Unicode text."""
-    if isinstance(value, str):
-        match = _SURROGATE.search(value)
-        return None if match is None else LoneSurrogate(field, match.start(), ord(match[0]))
-    items: Any = ()
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    for key, item in items:
-        name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
-        name = f"{field}.{name}" if field else name
-        found = lone_surrogate(key, name) or lone_surrogate(item, name)
-        if found is not None:
-            return found
-    return None
 
 
 class StreamOptions(_Body):
