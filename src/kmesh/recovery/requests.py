@@ -65,10 +65,9 @@ from kmesh.recovery.waves import waves
 
 # What the worker keeps for recovery, at most (kv_connector_extra_config "recovery_bytes").
 DEFAULT_RECOVERY_BYTES = 1 << 30
-# Claimed rows of a round's siblings recovered in one batch, at most (one sibling may exceed it); a
-# sibling's batch holds ~6x its rows' KV at once (placed mirrors, recovered rows, copies): 32
-# siblings of 1900 rows took vLLM's worker past 14 GB (docs/design/performance.md); 8192 rows keep
-# ~1.5 GB.
+# Claimed rows of a round's siblings recovered in one batch, at most (one may exceed it); a batch
+# holds ~6x its rows' KV at once (placed mirrors, recovered rows, copies): 32 siblings of 1900
+# rows took vLLM's worker past 14 GB (docs/design/performance.md); 8192 rows keep ~1.5 GB.
 ROUND_BATCH_TOKENS = 8192
 # Claimed rows of per-request jobs recovered in one batch, at most (waves.py).
 WAVE_TOKENS = 2048
