@@ -11,7 +11,8 @@ from kmesh.errors import InvalidRequestError
 from kmesh.recovery import quality
 from kmesh.recovery.jobs import RecoveryRequest
 from kmesh.recovery.quality import Calibration
-from kmesh.state.request_meta import KMeshParams, RecoverySpec, RoundSpec
+from kmesh.state.recovery_meta import RecoverySpec, RoundSpec
+from kmesh.state.request_meta import KMeshParams
 from kmesh.state.segments import Role, Span
 from kmesh.store import StoreClient
 from tests.conftest import random_tokens

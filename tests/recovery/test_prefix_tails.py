@@ -5,7 +5,7 @@ import torch
 
 from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.prefix_tails import PrefixTails, TailPages, boundaries
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 
 PAGE = 4

@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from kmesh.recovery.quality import GREEDY_SHARE, Calibration, resolve_quality
-from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.state.recovery_meta import RecoverySpec, RoundSpec
 
 MODEL = "m" * 64
 ROUND = RoundSpec(id="r1", segments=["a"])

@@ -12,7 +12,7 @@ from kmesh.compute.rope import rerotate_keys
 from kmesh.compute.tiny import tiny_executor
 from kmesh.recovery.jobs import RecoveredRows, RecoveryJob
 from kmesh.recovery.requests import RequestRecovery, _chunks
-from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.state.recovery_meta import RecoverySpec, RoundSpec
 from kmesh.state.segments import Role, Span
 
 SALT = "kmesh-approx:test"

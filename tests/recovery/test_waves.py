@@ -3,7 +3,7 @@ share an executor batch and which wait for the wave before them."""
 
 from kmesh.recovery.jobs import RecoveryJob
 from kmesh.recovery.waves import waves
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 
 PAGE = 4
 SPEC = RecoverySpec(policy="none", gate=None)

@@ -6,7 +6,7 @@ from fastapi.testclient import TestClient
 
 from kmesh.serve.app import create_app
 from kmesh.serve.reference_backend import ReferenceBackend
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 from tests.serve.test_app import council_chat
 
 

@@ -5,7 +5,7 @@ from dataclasses import asdict, fields
 from kmesh.recovery.jobs import RecoveryReport
 from kmesh.recovery.quality import resolve_quality
 from kmesh.serve.reference_backend import STAT_NAMES
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 from kmesh.state.response_meta import (
     ActivationStats,
     KMeshStats,

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from kmesh.recovery import quality
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
 from kmesh.recovery.quality import Calibration
-from kmesh.state.request_meta import KMeshParams, RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
+from kmesh.state.request_meta import KMeshParams
 from kmesh.store import StoreClient
 from kmesh.store.segments import write_segment
 from kmesh.vllm import store_side

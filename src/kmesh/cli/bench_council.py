@@ -6,7 +6,7 @@ from kmesh.cli.bench_common import add_bench_options, config_from_args, emit_rep
 from kmesh.cli.common import Commands
 from kmesh.errors import InvalidRequestError
 from kmesh.extras import VLLM, require
-from kmesh.state.request_meta import check_quality_target
+from kmesh.state.recovery_meta import check_quality_target
 
 
 def _bench_council(args: argparse.Namespace) -> None:

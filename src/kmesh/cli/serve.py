@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> None:
                 )
             reuse_messages = REUSE_MESSAGES.model_copy(update={"ratio": args.reuse_ratio})
         if args.quality is not None:
-            from kmesh.state.request_meta import RecoverySpec, check_quality_target
+            from kmesh.state.recovery_meta import RecoverySpec, check_quality_target
 
             target = check_quality_target(args.quality, "--quality")
             reuse_messages = RecoverySpec(quality=target)

@@ -33,7 +33,7 @@ from kmesh.kv.block_pool import blocks_for
 from kmesh.kv.kv_cache import PagedKVCache
 from kmesh.recovery.quality import resolve_quality
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES
-from kmesh.state.request_meta import recovery_refusal
+from kmesh.state.recovery_meta import recovery_refusal
 
 # How long a step waits when every waiting request waits for another engine's blocks.
 STORE_POLL_S = 0.02

@@ -15,7 +15,7 @@ import torch
 
 from kmesh.errors import InvalidRequestError
 from kmesh.kv.master_mirror import Master, Mirror
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 from kmesh.state.segments import Span
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kmesh.state.request_meta import QUALITY_TARGET, RecoverySpec
+from kmesh.state.recovery_meta import QUALITY_TARGET, RecoverySpec
 
 # "greedy": the least share of a round's outputs identical to full prefill's.
 GREEDY_SHARE = 0.9

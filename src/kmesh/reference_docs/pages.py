@@ -14,7 +14,7 @@ from kmesh.reference_docs.fields import field_table, response_table, unsupported
 from kmesh.reference_docs.metrics import connector_metrics_table, serve_metrics_table
 from kmesh.reference_docs.options import cli_commands, cli_summary, commands, grouped_options
 from kmesh.serve import schema
-from kmesh.state import request_meta, response_meta
+from kmesh.state import recovery_meta, request_meta, response_meta
 
 REFERENCE_DIR = Path(__file__).resolve().parents[3] / "docs" / "reference"
 REGENERATE = "python -m kmesh.reference_docs"
@@ -54,8 +54,8 @@ def _in_units(nbytes: int) -> str:
 _REQUEST_LINKS: dict[type, str] = {
     request_meta.SegmentSpec: "#segment",
     request_meta.MessageSpec: "#message",
-    request_meta.RecoverySpec: "#recovery",
-    request_meta.RoundSpec: "#round",
+    recovery_meta.RecoverySpec: "#recovery",
+    recovery_meta.RoundSpec: "#round",
     schema.StreamOptions: "#stream_options",
     schema.ChatMessage: "#chat-message",
     schema.TextPart: "#chat-message",
@@ -81,8 +81,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "kmesh-object": lambda: field_table(request_meta.KMeshParams, _REQUEST_LINKS),
     "segment": lambda: field_table(request_meta.SegmentSpec, _REQUEST_LINKS),
     "message": lambda: field_table(request_meta.MessageSpec, _REQUEST_LINKS),
-    "recovery": lambda: field_table(request_meta.RecoverySpec, _REQUEST_LINKS),
-    "round": lambda: field_table(request_meta.RoundSpec, _REQUEST_LINKS),
+    "recovery": lambda: field_table(recovery_meta.RecoverySpec, _REQUEST_LINKS),
+    "round": lambda: field_table(recovery_meta.RoundSpec, _REQUEST_LINKS),
     "generation-fields": lambda: field_table(schema.GenerationRequest, _REQUEST_LINKS),
     "completion-fields": lambda: field_table(
         schema.CompletionRequest, _REQUEST_LINKS, own_only=True

@@ -53,7 +53,7 @@ from kmesh.serve.schema import (
     usage,
 )
 from kmesh.serve.tokens import detokenize, tokenize
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 from kmesh.state.tenants import ApiKeys, tenant_salt
 
 logger = logging.getLogger(__name__)

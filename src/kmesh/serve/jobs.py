@@ -18,12 +18,11 @@ from kmesh.serve.request_fields import (
 )
 from kmesh.serve.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from kmesh.state import chat_codec
+from kmesh.state.recovery_meta import APPROX_SALT_PREFIX, RecoverySpec
 from kmesh.state.request_meta import (
-    APPROX_SALT_PREFIX,
     KMESH_PARAMS_KEY,
     KMeshParams,
     MessageSpec,
-    RecoverySpec,
     SegmentSpec,
     parse_kmesh_params,
     segment_spans,

@@ -1,7 +1,7 @@
 """Recovery claims of the connector's scheduler half: rows after vLLM's local hit that KMesh's
 executor fills in the worker half (kmesh/recovery/requests.py) instead of vLLM computing them.
 
-A request asking for recovery (`"recovery": {...}`, see kmesh.state.request_meta.RecoverySpec) skips
+A request asking for recovery (`"recovery": {...}`, kmesh.state.recovery_meta.RecoverySpec) skips
 the store's blocks: its rows after the local hit, all but the prompt's last (a claim need not end on
 a block boundary; policy full claims whole blocks only), are claimed and filled by the worker half
 (from its transcript in the store where published, store/shared/transcripts.py), which reports what
@@ -19,7 +19,7 @@ from typing import Any
 
 from kmesh.kv.block_pool import blocks_for
 from kmesh.recovery.jobs import RecoveryJob
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 from kmesh.vllm.tracked import Tracked
 
 # An activated request's rows before its start: base-model KV, computed in full.

@@ -24,7 +24,7 @@ from typing import Any
 
 from kmesh.compute.fingerprint import model_fingerprint
 from kmesh.recovery.jobs import RecoveryJob, RecoveryReport
-from kmesh.state.request_meta import recovery_refusal
+from kmesh.state.recovery_meta import recovery_refusal
 from kmesh.store.policy import TenantKey
 from kmesh.vllm.layout import BlockLayout
 from kmesh.vllm.metadata import KeepOutput, KMeshConnectorMetadata, LoadBlock

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kmesh.state.keys import KeyNamespace, block_key, piece_key
-from kmesh.state.request_meta import RecoverySpec, RoundSpec
+from kmesh.state.recovery_meta import RecoverySpec, RoundSpec
 from kmesh.store.process import MasterProcess
 from kmesh.store.protocol import checksum
 from kmesh.store.remote.mooncake_tier import MooncakeTier

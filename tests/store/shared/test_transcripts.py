@@ -14,7 +14,7 @@ from kmesh.recovery.continuations import Continuations
 from kmesh.recovery.jobs import RecoveredRows, RecoveryJob, RecoveryReport, RoundKey, RoundMirrors
 from kmesh.recovery.ledger import Ledger
 from kmesh.recovery.shared import Chain, Restored
-from kmesh.state.request_meta import RecoverySpec
+from kmesh.state.recovery_meta import RecoverySpec
 from kmesh.state.segments import Role, Span
 from kmesh.store import TenantClients
 from kmesh.store.shared import group_state, transcripts

@@ -19,7 +19,7 @@ usage, and one cache_salt per run (RunNames: runs never share state). KMesh stra
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kmesh.state.request_meta import APPROX_SALT_PREFIX
+from kmesh.state.recovery_meta import APPROX_SALT_PREFIX
 from kmesh.workloads.agent_chats import AgentCall
 
 if TYPE_CHECKING:

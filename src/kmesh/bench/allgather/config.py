@@ -14,7 +14,7 @@ from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.quality import resolve_quality
 from kmesh.recovery.recover import RecoveryConfig
-from kmesh.state.request_meta import RecoverySpec, RoundSpec, check_quality_target
+from kmesh.state.recovery_meta import RecoverySpec, RoundSpec, check_quality_target
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
 SWEEP_POLICIES = ("kv_deviation", "first_k", "random", "none")
