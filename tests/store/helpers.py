@@ -13,8 +13,8 @@ import msgspec
 
 from kmesh.state.keys import BlockHash, KeyNamespace, block_key
 from kmesh.store import StoreClient
-from kmesh.store.client import Hit
 from kmesh.store.framing import read_frame
+from kmesh.store.hits import Hit
 from kmesh.store.tier import SHM_DIR
 
 PAYLOAD_BYTES = 64 * 1024

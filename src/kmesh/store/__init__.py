@@ -8,8 +8,9 @@ Two rooms: remote/ is the remote tier behind the local one (Mooncake Store, acro
 shared/ is what engines' recovery shares through the store (recovery/shared.py's interface).
 """
 
-from kmesh.store.client import Acquired, Hit, StoreClient
+from kmesh.store.client import StoreClient
 from kmesh.store.errors import EntryLost, StoreError, StoreRefused, StoreUnavailable
+from kmesh.store.hits import Acquired, Hit
 from kmesh.store.segments import Mapped
 from kmesh.store.tenant_clients import TenantClients
 

@@ -30,7 +30,6 @@ variable) it says hello first, and its tenant is then a namespace within the key
 import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -38,11 +37,10 @@ import msgspec
 from kmesh.store.closing import Closing
 from kmesh.store.connection import Connection
 from kmesh.store.errors import EntryLost, StoreError, StoreRefused
+from kmesh.store.hits import Acquired, Hit, check_key, check_keys, check_name
 from kmesh.store.holdings import Holdings
 from kmesh.store.protocol import (
-    KEY_BYTES,
     MAX_KEYS,
-    MAX_NAME_CHARS,
     MAX_WAIT_S,
     Abandon,
     Acquire,
@@ -67,9 +65,7 @@ from kmesh.store.protocol import (
     Warmed,
     checksum,
 )
-from kmesh.store.protocol import (
-    Acquired as AcquiredAnswer,
-)
+from kmesh.store.protocol import Acquired as AcquiredAnswer
 from kmesh.store.segments import (
     Mapped,
     decode_meta,
@@ -84,47 +80,6 @@ STORE_KEY_ENV = "KMESH_STORE_KEY"
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
-
-
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """A published entry of one key: where it lives and what its bytes must hash to."""
-
-    key: bytes
-    name: str  # shared memory segment
-    size: int
-    checksum: int
-    meta_bytes: bytes  # MessagePack of the publisher's meta, checked with the payload
-
-
-@dataclass(frozen=True, slots=True)
-class Acquired:
-    """The answer to acquire/wait for keys k: hits are k[:len(hits)]; this client leads `lead`
-    (the keys right after the hits it must publish or abandon); `waiting_on`, if set, is the
-    key after the hits that another client is computing."""
-
-    hits: tuple[Hit, ...]
-    lead: tuple[bytes, ...]
-    waiting_on: bytes | None
-    lease: float  # seconds a leader has to publish (any request renews it)
-
-
-def _check_key(key: bytes) -> bytes:
-    if not isinstance(key, bytes | bytearray) or len(key) != KEY_BYTES:
-        raise ValueError(f"a store key is {KEY_BYTES} bytes (a SHA-256 digest), got {key!r:.80}")
-    return bytes(key)
-
-
-def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    if len(keys) > MAX_KEYS:
-        raise ValueError(f"at most {MAX_KEYS} keys per request, got {len(keys)}")
-    return [_check_key(key) for key in keys]
-
-
-def _check_name(what: str, name: str) -> str:
-    if not 0 < len(name) <= MAX_NAME_CHARS:
-        raise ValueError(f"{what} must have 1 to {MAX_NAME_CHARS} characters, got {name!r:.80}")
-    return name
 
 
 def _short(key: bytes) -> str:
@@ -144,7 +99,7 @@ class StoreClient(Closing):
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.socket_path = os.fspath(socket_path)
-        self.tenant = None if tenant is None else _check_name("tenant", tenant)
+        self.tenant = None if tenant is None else check_name("tenant", tenant)
         self.timeout = timeout
         self._connection = Connection(self.socket_path, timeout)
         self._holdings = Holdings()
@@ -178,7 +133,7 @@ class StoreClient(Closing):
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The indices in `keys` of the published ones, each looked up on its own (a probe of
         candidate keys); claims, pins and waits for nothing."""
-        answer = self._call(Lookup(_check_keys(keys), tenant=self.tenant))
+        answer = self._call(Lookup(check_keys(keys), tenant=self.tenant))
         if not isinstance(answer, Found) or any(not 0 <= i < len(keys) for i in answer.present):
             raise self._connection.unexpected(answer)
         return answer.present
@@ -236,7 +191,7 @@ class StoreClient(Closing):
         StoreRefused if the store cannot fit it even after eviction (or the claim is gone); if
         writing raises, the key is abandoned."""
         if family is not None:
-            _check_name("family", family)
+            check_name("family", family)
         meta_bytes = encode_meta(meta)
         name = self.reserve(key, size)
         try:
@@ -251,7 +206,7 @@ class StoreClient(Closing):
         """Reserve `size` bytes of shared memory for a led key; returns the segment's name, to
         fill with write_segment (in this process or another) and then `commit`. StoreRefused if
         it cannot fit even after eviction (the claim is then released) or the claim is gone."""
-        key = _check_key(key)
+        key = check_key(key)
         if size < 1:
             raise ValueError(f"a payload needs at least one byte, got size {size}")
         answer = self._call(Reserve(key, size, tenant=self.tenant))
@@ -273,9 +228,9 @@ class StoreClient(Closing):
         """Make a reserved, written key visible; `crc` is what write_segment returned and
         `meta_bytes` what encode_meta gave it. With `family`, the entry is pinned for it (its
         next use declared: see `pin`)."""
-        key = _check_key(key)
+        key = check_key(key)
         if family is not None:
-            _check_name("family", family)
+            check_name("family", family)
         request = Commit(key, crc, meta_bytes, family, next_use, tenant=self.tenant)
         answer = self._call(request)
         if isinstance(answer, Refused):
@@ -290,7 +245,7 @@ class StoreClient(Closing):
 
     def abandon(self, keys: Sequence[bytes]) -> int:
         """Give up leading `keys` (waiters get promoted); returns how many were led."""
-        checked = _check_keys(keys)
+        checked = check_keys(keys)
         count = self._count(Abandon(checked, tenant=self.tenant))
         self._holdings.let_go(checked)
         return count
@@ -300,15 +255,15 @@ class StoreClient(Closing):
         ordinal or a time, smaller is sooner; None: any time), until `close_family(family)` or
         this client closes: the store evicts them last (kmesh/coord/future_use.py); returns how
         many are pinned."""
-        family = _check_name("family", family)
-        count = self._count(Pin(family, _check_keys(keys), next_use, tenant=self.tenant))
+        family = check_name("family", family)
+        count = self._count(Pin(family, check_keys(keys), next_use, tenant=self.tenant))
         if count:
             self._holdings.families.add(family)
         return count
 
     def close_family(self, family: str) -> int:
         """Release the family's pins; returns how many entries it had pinned."""
-        count = self._count(CloseFamily(_check_name("family", family), tenant=self.tenant))
+        count = self._count(CloseFamily(check_name("family", family), tenant=self.tenant))
         self._holdings.families.discard(family)
         return count
 
@@ -357,9 +312,9 @@ class StoreClient(Closing):
         return answer
 
     def _acquire(self, keys: Sequence[bytes], wait: float, family: str | None) -> Acquired:
-        checked = _check_keys(keys)
+        checked = check_keys(keys)
         if family is not None:
-            _check_name("family", family)
+            check_name("family", family)
         request = Acquire(checked, wait=wait, family=family, tenant=self.tenant)
         answer = self._call(request, wait)
         if not isinstance(answer, AcquiredAnswer):

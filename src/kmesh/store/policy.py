@@ -23,8 +23,9 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kmesh.store.client import Acquired, StoreClient
+from kmesh.store.client import StoreClient
 from kmesh.store.errors import StoreError, StoreUnavailable
+from kmesh.store.hits import Acquired
 from kmesh.store.tenant_clients import TenantClients
 
 log = logging.getLogger(__name__)
