@@ -31,7 +31,7 @@ import torch
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.compute.tiny import SHAPES, random_state_dict
-from kmesh.compute.weights import LlamaWeights
+from kmesh.compute.weights import ModelWeights
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror
 from kmesh.kv.mirror_restore import restore
 from kmesh.recovery.collective import SiblingInput, recover_round
@@ -63,8 +63,8 @@ def executors(model: str) -> tuple[Executor, Executor]:
     state = random_state_dict(0, hf, scale)
     on = {device: {n: w.to(device) for n, w in state.items()} for device in ("cpu", DEVICE)}
     return (
-        Executor(config, LlamaWeights.from_state_dict(on["cpu"], config, torch.float32)),
-        Executor(config, LlamaWeights.from_state_dict(on[DEVICE], config, torch.float32)),
+        Executor(config, ModelWeights.from_state_dict(on["cpu"], config, torch.float32)),
+        Executor(config, ModelWeights.from_state_dict(on[DEVICE], config, torch.float32)),
     )
 
 

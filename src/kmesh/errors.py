@@ -16,6 +16,11 @@ class ModelNotFoundError(KMeshError):
     """A model folder, file or package that was asked for is not there."""
 
 
+class ModelNotSupportedError(KMeshError):
+    """A model KMesh cannot run exactly as its engine would (a family, scaling or mechanism it
+    does not implement): refused at load, never run approximately."""
+
+
 class OutOfBlocksError(KMeshError):
     """The KV block pool is too small for a request even when it runs alone."""
 

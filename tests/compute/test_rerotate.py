@@ -10,8 +10,9 @@ agree to ~1e-3; the tiny model's O(1) keys to 1e-4.
 import pytest
 import torch
 
+from kmesh.compute.config import default_frequencies
 from kmesh.compute.executor import SequenceInput
-from kmesh.compute.rope import apply_rope, inverse_frequencies, rerotate_keys, rope_cos_sin
+from kmesh.compute.rope import apply_rope, rerotate_keys, rope_cos_sin
 from tests.conftest import random_tokens, rope_pair_norms
 
 
@@ -26,16 +27,15 @@ def test_rerotated_keys_equal_keys_computed_there(tiny, p, q):
     tokens = random_tokens(24, seed=p + q)
     k_p, pos_p = keys_at(executor, tokens, p)
     k_q, pos_q = keys_at(executor, tokens, q)
-    for layer in range(executor.config.num_layers):
-        moved = rerotate_keys(k_p[layer], pos_p, pos_q, executor.config)
-        torch.testing.assert_close(moved, k_q[layer], atol=1e-4, rtol=1e-4)
+    moved = rerotate_keys(torch.stack(k_p), pos_p, pos_q, executor.config)
+    torch.testing.assert_close(moved, torch.stack(k_q), atol=1e-4, rtol=1e-4)
 
 
 def test_rerotation_is_not_a_no_op(tiny):
     executor, _ = tiny
     k_p, pos_p = keys_at(executor, random_tokens(8, seed=1), 0)
-    moved = rerotate_keys(k_p[0], pos_p, pos_p + 5, executor.config)
-    assert (moved - k_p[0]).abs().max() > 0.01
+    moved = rerotate_keys(torch.stack(k_p), pos_p, pos_p + 5, executor.config)
+    assert (moved[0] - k_p[0]).abs().max() > 0.01
 
 
 @pytest.mark.model
@@ -44,8 +44,9 @@ def test_rerotation_on_the_real_model(real_model):
     tokens = random_tokens(64, seed=2, high=real_model.config.vocab_size)
     k_p, pos_p = keys_at(executor, tokens, 40)
     k_q, pos_q = keys_at(executor, tokens, 2100)
+    all_moved = rerotate_keys(torch.stack(k_p), pos_p, pos_q, executor.config)
     for layer in (0, 14, 29):
-        moved = rerotate_keys(k_p[layer], pos_p, pos_q, executor.config)
+        moved = all_moved[layer]
         scale = k_q[layer].abs().max()
         assert ((moved - k_q[layer]).abs().max() / scale).item() < 1e-3
 
@@ -76,7 +77,7 @@ def test_rope_half_by_half_rounds_as_the_whole_formula_does(dtype):
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 40, 2, 16, generator=gen) * 4).to(dtype)
     positions = torch.randint(0, 9000, (40,), generator=gen)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(16, 1e4))
+    cos, sin = rope_cos_sin(positions, default_frequencies(16, 1e4))
     x32, c, s = x.float(), cos[:, None, :], sin[:, None, :]
     whole = (x32 * c + torch.cat((-x32[..., 8:], x32[..., :8]), dim=-1) * s).to(dtype)
     assert torch.equal(apply_rope(x, cos, sin), whole)

@@ -29,7 +29,7 @@ def make_segments(
 
 
 def rotate_all_layers(k: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.stack([rerotate_keys(layer, source, target, CONFIG) for layer in k])
+    return rerotate_keys(k, source, target, CONFIG)
 
 
 def overwrite(
@@ -193,7 +193,7 @@ def test_shape_and_range_errors_name_the_problem():
     with pytest.raises(ValueError, match="block index out of range"):
         mirror.tokens_of_blocks(torch.tensor([-1]))
     other = ModelConfig.from_hf({**TINY_HF_CONFIG, "rope_theta": 500000.0})
-    with pytest.raises(ValueError, match="rope_theta"):
+    with pytest.raises(ValueError, match="RoPE tables"):
         restore(master, mirror, other)
 
 

@@ -33,7 +33,7 @@ def token_by_token(master: Master, mirror: Mirror) -> tuple[torch.Tensor, torch.
     within = mirror.token_slots % bs
     stored = master.block_positions[block] + within
     kv = master.blocks.permute(1, 2, 0, 3, 4, 5)  # [2, L, B, bs, H, D]
-    inv_freq = inverse_frequencies(DIM, CONFIG.rope_theta)
+    inv_freq = inverse_frequencies(CONFIG.layers[0].rope)
     cos, sin = rope_cos_sin(mirror.positions - stored, inv_freq)
     k = apply_rope(kv[0][:, block, within], cos, sin)
     v = kv[1][:, block, within].clone()
@@ -123,5 +123,5 @@ def test_a_mirror_of_another_master_is_refused():
     master = master_of([5, 9], 8, torch.float32, seed=3)
     mirror = Mirror.of(master, (1, 0), 0)
     other = ModelConfig.from_hf({**TINY_HF_CONFIG, "rope_theta": 500000.0})
-    with pytest.raises(ValueError, match="rope_theta"):
+    with pytest.raises(ValueError, match="RoPE tables"):
         restore(master, mirror, other)

@@ -7,7 +7,8 @@ of a float32 result hides the kernel's fused multiply-adds, which in float32 lea
 import pytest
 import torch
 
-from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from kmesh.compute.config import default_frequencies
+from kmesh.compute.rope import apply_rope, rope_cos_sin
 
 HEADS, DIM, THETA, MAX_POSITION = 3, 64, 100000.0, 4096
 
@@ -27,7 +28,7 @@ def test_rope_equals_vllms_cpu_op(dtype, rtol):
     positions = torch.randint(0, MAX_POSITION, (200,), generator=gen)
     query = (torch.randn(200, HEADS * DIM, generator=gen) * 3).to(dtype)
     key = (torch.randn(200, HEADS * DIM, generator=gen) * 3).to(dtype)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(DIM, THETA))
+    cos, sin = rope_cos_sin(positions, default_frequencies(DIM, THETA))
     cos, sin = cos.to(dtype), sin.to(dtype)
     expected = [apply_rope(x.view(-1, HEADS, DIM), cos, sin) for x in (query, key)]
     ops.rotary_embedding(positions, query, key, DIM, vllm_cos_sin_cache(dtype), True)  # in place

@@ -44,7 +44,7 @@ def _bench_round(args: argparse.Namespace) -> None:
     from kmesh.compute.executor import Executor
     from kmesh.compute.loader import load_model
     from kmesh.compute.tiny import SHAPES, random_state_dict
-    from kmesh.compute.weights import LlamaWeights
+    from kmesh.compute.weights import ModelWeights
 
     cfg = config_from_args(RoundBenchConfig, args)
     device = _device(args.device)
@@ -59,7 +59,7 @@ def _bench_round(args: argparse.Namespace) -> None:
         config = ModelConfig.from_hf(hf)
         _check_fits(cfg, config)  # before the weights: an 8B shape takes a while to make
         state = random_state_dict(cfg.seed, hf, config.hidden_size**-0.5, device, dtype)
-        executor = Executor(config, LlamaWeights.from_state_dict(state, config, dtype))
+        executor = Executor(config, ModelWeights.from_state_dict(state, config, dtype))
         model = f"random weights in {args.shape}'s shape"
     else:
         loaded = load_model(args.model, dtype, device)

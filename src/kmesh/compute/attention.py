@@ -40,13 +40,16 @@ def attend(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     causal: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q [n, heads, d], k/v [m, kv_heads, d], mask [n, m] (True = may attend) -> [n, heads, d]."""
+    """q [n, heads, d], k/v [m, kv_heads, d], mask [n, m] (True = may attend) -> [n, heads, d].
+    Scores are scaled by `scale` (None: 1/sqrt(d))."""
     out = F.scaled_dot_product_attention(
         *_heads_first(q, k, v),
         attn_mask=None if mask is None else mask[None, None],
         is_causal=causal,
         enable_gqa=True,
+        scale=scale,
     )
     return out[0].transpose(0, 1).to(q.dtype)
 
@@ -57,6 +60,7 @@ def attend_with_lse(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     causal: bool = False,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `attend`, but the output in float32, plus the log-sum-exp of each query's scores,
     [n, heads]. `mask` may also be `additive_mask`'s (made once for every layer). Every query
@@ -64,25 +68,27 @@ def attend_with_lse(
     if mask is not None and mask.dtype == torch.bool:
         mask = additive_mask(mask)
     if q.device.type == "cpu" and mask is None and not causal and len(q) <= FOLD_QUERIES:
-        return _by_kv_head(q, k, v)
+        return _by_kv_head(q, k, v, scale)
     if q.device.type == "cpu":
         attn_mask = None if mask is None else mask[None, None]
-        out, lse = _FLASH_CPU(*_heads_first(q, k, v), is_causal=causal, attn_mask=attn_mask)[:2]
+        out, lse = _FLASH_CPU(
+            *_heads_first(q, k, v), is_causal=causal, attn_mask=attn_mask, scale=scale
+        )[:2]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     if causal:
         mask = additive_mask(torch.ones(len(q), len(k), dtype=torch.bool, device=q.device).tril())
-    return _with_lse_by_matmul(q, k, v, mask)
+    return _with_lse_by_matmul(q, k, v, mask, scale)
 
 
 def _by_kv_head(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked `attend_with_lse` on the CPU kernel with each kv head's query heads folded into
     its query rows: one head of the kernel per kv head, which then reads each kv head's keys once
     rather than once per query head. The same sums as the GQA call; the kernel's tiling of more
     query rows rounds differently (1.4e-7 to 1.9e-7 at 1-66 queries here)."""
     rows = _fold_heads(q, k.shape[1])[None]
-    out, lse = _FLASH_CPU(rows, *(x.float().transpose(0, 1)[None] for x in (k, v)))[:2]
+    out, lse = _FLASH_CPU(rows, *(x.float().transpose(0, 1)[None] for x in (k, v)), scale=scale)[:2]
     return _unfold_heads(out[0], lse[0], len(q))
 
 
@@ -116,14 +122,18 @@ def additive_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _with_lse_by_matmul(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_with_lse` in matrix products, for devices without the CPU kernel (`mask`
     additive)."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
     qh = _fold_heads(q, kv_heads)
-    scores = torch.bmm(qh, k.float().permute(1, 2, 0)) * (1.0 / math.sqrt(d))
+    scores = torch.bmm(qh, k.float().permute(1, 2, 0)) * (scale or 1.0 / math.sqrt(d))
     if mask is not None:
         scores = scores + mask[None, :, None, :].expand(
             kv_heads, n, heads // kv_heads, mask.shape[1]

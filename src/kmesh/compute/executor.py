@@ -1,4 +1,4 @@
-"""Layerwise Llama executor: compute any tokens, at any positions, against any given KV.
+"""Layerwise decoder executor: compute any tokens, at any positions, against any given KV.
 
 This is the primitive the rest of KMesh stands on. A forward takes, per sequence, the token ids to
 compute, their positions, and the KV they may attend to (with that KV's positions). Causality is by
@@ -8,6 +8,12 @@ it sits in the inputs. So computing tokens [a, b) against the cached KV of [0, a
 equals the full computation at those positions.
 
 Keys are returned (and expected) after RoPE, so stored KV is position-bound.
+
+The model is what its description says (compute/config.py), layer by layer: a sliding-window
+layer's token at p attends to keys at positions p - W + 1 .. p only; each layer turns q and k by
+its own RoPE table; QK-norm, biases, Gemma's (1 + w) and sandwich norms, the embedding scale and
+the attention scale are applied where the description has them. In a sliding-window layer every
+key a sequence may see (shared, context and new) is attended together under that layer's mask.
 
 Every tensor a caller passes (token ids, positions, KV) lives on the weights' device
 (`Executor.device`: the CPU, or a GPU); what the executor makes lives there too.
@@ -40,10 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from kmesh.compute.attention import additive_mask, attend, attend_with_lse, merge
-from kmesh.compute.config import ModelConfig
+from kmesh.compute.config import ModelConfig, RopeTable
 from kmesh.compute.lora import LoraAdapter, LoraUse
 from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from kmesh.compute.weights import LlamaWeights
+from kmesh.compute.weights import Layer, ModelWeights
 
 
 class ContextKV(Protocol):
@@ -102,12 +108,17 @@ class Executor:
     contexts, attended once per group.
     """
 
-    def __init__(self, config: ModelConfig, weights: LlamaWeights) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:
         self.config = config
         self.weights = weights
         self.dtype = weights.embed_tokens.dtype
         self.device = weights.embed_tokens.device
-        self._inv_freq = inverse_frequencies(config.head_dim, config.rope_theta).to(self.device)
+        self._inv_freq = {
+            table: inverse_frequencies(table).to(self.device) for table in config.rope_tables
+        }
+        # None where it is torch's default (1/sqrt(head_dim)): the kernels' own constant.
+        scale = config.attention_scale
+        self._scale = None if scale == config.head_dim**-0.5 else scale
 
     @torch.inference_mode()
     def forward(
@@ -128,13 +139,15 @@ class Executor:
         lengths = [len(item.token_ids) for item in batch]
         token_ids = torch.cat([item.token_ids for item in batch])
         positions = torch.cat([item.positions for item in batch])
-        # The RoPE table in the model's dtype (vLLM's cos_sin_cache is), the rotation in float32.
-        cos, sin = rope_cos_sin(positions, self._inv_freq)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        # Each RoPE table's cos/sin in the model's dtype (vLLM's cos_sin_cache is), the rotation
+        # in float32.
+        tables = {table: self._cos_sin(positions, table) for table in cfg.rope_tables}
         if residual is None:
             if layers.start != 0:
                 raise ValueError("a run that does not start at layer 0 needs the residual stream")
             x = F.embedding(token_ids, self.weights.embed_tokens)
+            if cfg.embedding_scale is not None:
+                x = x * torch.tensor(cfg.embedding_scale, dtype=self.dtype)
         else:
             x = torch.cat(list(residual))
         groups = _shared_groups(batch)
@@ -151,29 +164,40 @@ class Executor:
         masks = [
             additive_mask(m) if m is not None and i in merged else m for i, m in enumerate(masks)
         ]
+        # Per sliding window, each sequence's mask over all its keys (shared, context, new).
+        window_masks = {
+            w: [_window_mask(item, w) for item in batch] for w in set(cfg.windows) if w is not None
+        }
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
         new_v: list[list[torch.Tensor]] = [[] for _ in batch]
         for index in layers:
             layer = self.weights.layers[index]
-            h = self._rms_norm(x, layer.input_norm)
+            h = self.norm(x, layer.input_norm)
             if on_layer_input is not None:
                 on_layer_input(index, h)
             q, k, v = layer.qkv(h)
             for projection, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 _add_lora(lora_rows, index, projection, h, out)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            cos, sin = tables[cfg.layers[index].rope]
+            q, k = self._heads_rotated(layer, q, k, cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
             q_seqs = q.split(lengths)
-            shared_parts = self._attend_shared(index, q_seqs, groups)
+            window = cfg.layers[index].window
+            windowed = window is not None
+            shared_parts = {} if windowed else self._attend_shared(index, q_seqs, groups)
             outputs = []
             for seq, (q_s, k_s, v_s) in enumerate(
                 zip(q_seqs, k.split(lengths), v.split(lengths), strict=True)
             ):
                 new_k[seq].append(k_s)
                 new_v[seq].append(v_s)
+                if window is not None:
+                    outputs.append(
+                        self._attend_window(
+                            index, q_s, k_s, v_s, batch[seq], window_masks[window][seq]
+                        )
+                    )
+                    continue
                 outputs.append(
                     self._attend(
                         index,
@@ -189,24 +213,89 @@ class Executor:
             attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
             o = layer.o(attn)
             _add_lora(lora_rows, index, "o_proj", attn, o)
+            if layer.post_attention_norm is not None:
+                o = self.norm(o, layer.post_attention_norm)
             x = x + o
-            x = x + layer.mlp(self._rms_norm(x, layer.post_attention_norm))
+            m = layer.mlp(self.norm(x, layer.pre_mlp_norm))
+            if layer.post_mlp_norm is not None:
+                m = self.norm(m, layer.post_mlp_norm)
+            x = x + m
         residuals = x.split(lengths)
-        hidden = self._rms_norm(x, self.weights.final_norm).split(lengths)
+        hidden = self.norm(x, self.weights.final_norm).split(lengths)
         return [
             SequenceOutput(hidden[seq], new_k[seq], new_v[seq], residuals[seq])
             for seq in range(len(batch))
         ]
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE for x [n, heads, head_dim] at `positions` [n], as forward rotates q and k."""
-        cos, sin = rope_cos_sin(positions, self._inv_freq)
-        return apply_rope(x, cos.to(self.dtype), sin.to(self.dtype))
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """RoPE for x [n, heads, head_dim] at `positions` [n], as forward rotates layer
+        `layer`'s q and k (after QK-norm, where the model has it)."""
+        return apply_rope(x, *self._cos_sin(positions, self.config.layers[layer].rope))
+
+    def queries_keys(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s q [n, heads, head_dim] and k [n, kv_heads, head_dim] of its normed
+        input h [n, hidden] at `positions` [n], as forward makes them (no adapter)."""
+        q, k, _ = self.weights.layers[layer].qkv(h)
+        cos, sin = self._cos_sin(positions, self.config.layers[layer].rope)
+        return self._heads_rotated(self.weights.layers[layer], q, k, cos, sin)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (float32) for final hidden states [n, hidden]."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        """Next-token logits (float32) for final hidden states [n, hidden] (soft-capped where
+        the model caps them)."""
+        logits = F.linear(hidden, self.weights.lm_head).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of x with `weight`, normalized in float32: Llama's rounds the
+        normalized x to x's dtype and multiplies (vLLM's native rms_norm), Gemma's multiplies by
+        (1 + weight) in float32 and rounds once."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        if self.config.norm == "gemma":
+            return (normed * (1.0 + weight.float())).to(x.dtype)
+        return weight * normed.to(x.dtype)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, table: RopeTable
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(positions, self._inv_freq[table])
+        if table.attention_factor != 1.0:
+            cos, sin = cos * table.attention_factor, sin * table.attention_factor
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def _heads_rotated(
+        self, layer: Layer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k viewed per head, QK-normed where the model has it, then RoPE'd."""
+        cfg = self.config
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = self.norm(q, layer.q_norm), self.norm(k, layer.k_norm)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def _attend_window(
+        self,
+        layer_index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        item: SequenceInput,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """A sliding-window layer's attention: every key the sequence may see (shared, then
+        context, then new) under the window's by-position mask."""
+        keys, values = [k], [v]
+        for part in (item.context, item.shared):
+            if part is not None and len(part.positions) > 0:
+                part_k, part_v = part.layer(layer_index)
+                keys.insert(0, part_k.to(k.dtype))
+                values.insert(0, part_v.to(v.dtype))
+        return attend(q, torch.cat(keys), torch.cat(values), mask, scale=self._scale)
 
     def _attend_shared(
         self,
@@ -219,7 +308,7 @@ class Executor:
         for shared, members in groups:
             k, v = shared.layer(layer_index)
             q = torch.cat([q_seqs[m] for m in members])
-            out, lse = attend_with_lse(q, k.to(q.dtype), v.to(q.dtype), None)
+            out, lse = attend_with_lse(q, k.to(q.dtype), v.to(q.dtype), None, scale=self._scale)
             sizes = [len(q_seqs[m]) for m in members]
             for m, out_m, lse_m in zip(members, out.split(sizes), lse.split(sizes), strict=True):
                 parts[m] = (out_m, lse_m)
@@ -242,21 +331,17 @@ class Executor:
         if context is not None and len(context.positions) > 0:
             context_k, context_v = context.layer(layer_index)
             if context_apart:
-                part = attend_with_lse(q, context_k.to(q.dtype), context_v.to(q.dtype), None)
+                part = attend_with_lse(
+                    q, context_k.to(q.dtype), context_v.to(q.dtype), None, scale=self._scale
+                )
                 shared_part = part if shared_part is None else merge(*shared_part, *part)
             else:
                 k = torch.cat((context_k.to(k.dtype), k))
                 v = torch.cat((context_v.to(v.dtype), v))
         if shared_part is None:
-            return attend(q, k, v, mask, causal=mask is None)
-        out, lse = attend_with_lse(q, k, v, mask, causal=mask is None)
+            return attend(q, k, v, mask, causal=mask is None, scale=self._scale)
+        out, lse = attend_with_lse(q, k, v, mask, causal=mask is None, scale=self._scale)
         return merge(*shared_part, out, lse)[0].to(q.dtype)
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        normed = x32 * torch.rsqrt(variance + self.config.rms_norm_eps)
-        return weight * normed.to(x.dtype)
 
 
 def _context_precedes(item: SequenceInput) -> bool:
@@ -279,6 +364,15 @@ def _causal_mask(item: SequenceInput, context_apart: bool = False) -> torch.Tens
     elif bool((item.positions[1:] > item.positions[:-1]).all()):
         return None
     return key_positions[None, :] <= item.positions[:, None]
+
+
+def _window_mask(item: SequenceInput, window: int) -> torch.Tensor:
+    """[n, keys]: new token i at p may attend to a shared, context or new key at a position in
+    p - window + 1 .. p (keys in the order _attend_window puts them)."""
+    parts = [c.positions for c in (item.shared, item.context) if c is not None]
+    key_positions = torch.cat([*parts, item.positions])
+    distance = item.positions[:, None] - key_positions[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 def _lora_rows(

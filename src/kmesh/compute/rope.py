@@ -1,4 +1,4 @@
-"""Rotary position embedding (the Llama / rotate-half convention).
+"""Rotary position embedding (the Llama / rotate-half convention), per layer's RoPE table.
 
 RoPE rotates each pair of channels (i, i + head_dim/2) by angle position * inv_freq[i]. Because it
 is a rotation, a key rotated for position p is moved to position p + d exactly by rotating it by d.
@@ -9,7 +9,9 @@ given (the executor rounds them to the model's dtype, as vLLM's cos_sin_cache is
 
 Re-rotation (`rerotate_keys`) moves stored keys to new positions without recomputing them: turns
 compose by adding angles, so a key computed at position p is moved to position q by turning it by
-(q - p) * inv_freq[i]. Values carry no position and never change. Only the key's position changes:
+(q - p) * inv_freq[i]. A model whose layers use different tables (Gemma 3's local and global
+thetas) turns each layer's keys by its own table. Values carry no position and never change. Only
+the key's position changes:
 what the key attended to when it was computed (its context) is not corrected by this; that is what
 recovery's selective recomputation is for. Keys keep their dtype: the turn is computed in float32
 and rounded once, so a bfloat16 key moves with one bfloat16 rounding, the same as a key RoPE'd
@@ -18,19 +20,26 @@ there by the forward pass.
 
 import torch
 
-from kmesh.compute.config import ModelConfig
+from kmesh.compute.config import ModelConfig, RopeTable
 
 
-def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (theta**exponents)
+def inverse_frequencies(table: RopeTable) -> torch.Tensor:
+    """The table's frequencies, [head_dim / 2] float32."""
+    return torch.tensor(table.inv_freq, dtype=torch.float32)
+
+
+def layer_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Every layer's frequencies, [layers, head_dim / 2] float32 (layers of one RoPE table
+    share a row's values)."""
+    return torch.tensor([layer.rope.inv_freq for layer in config.layers], dtype=torch.float32)
 
 
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [n, head_dim] for integer `positions` of shape [n]."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos and sin of shape [..., n, head_dim] for integer `positions` of shape [n] and
+    frequencies [..., head_dim / 2] (one table, or one per layer)."""
+    freqs = positions.float()[:, None] * inv_freq[..., None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -73,8 +82,11 @@ def rerotate_keys(
     to_positions: torch.Tensor,
     config: ModelConfig,
 ) -> torch.Tensor:
-    """Keys [..., n, kv_heads, head_dim] (e.g. [layers, n, ...]) computed at `from_positions`
-    [n], as if computed at `to_positions` [n], in the keys' dtype."""
-    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta).to(keys.device)
-    cos, sin = rope_cos_sin(to_positions - from_positions, inv_freq)
-    return apply_rope(keys, cos, sin)
+    """Keys [layers, n, kv_heads, head_dim] computed at `from_positions` [n], as if computed at
+    `to_positions` [n], in the keys' dtype: each layer turned by its own table's frequencies
+    (the pure rotation: a table's attention_factor is in the key already)."""
+    inv_freq = layer_frequencies(config).to(keys.device)
+    cos, sin = rope_cos_sin(to_positions - from_positions, inv_freq)  # [layers, n, head_dim]
+    out = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
+    _turn(keys, cos[:, :, None, :], sin[:, :, None, :], out)
+    return out.to(keys.dtype)

@@ -9,7 +9,7 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import Executor
-from kmesh.compute.weights import LlamaWeights
+from kmesh.compute.weights import ModelWeights
 
 TINY_HF_CONFIG = {
     "model_type": "llama",
@@ -101,6 +101,6 @@ def random_state_dict(
 def tiny_executor(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[Executor, str]:
     """An executor over tiny random weights, and a fingerprint that changes with `seed`."""
     cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
-    weights = LlamaWeights.from_state_dict(random_state_dict(seed), cfg, dtype)
+    weights = ModelWeights.from_state_dict(random_state_dict(seed), cfg, dtype)
     fingerprint = hashlib.sha256(f"kmesh-tiny-llama-seed-{seed}".encode()).hexdigest()
     return Executor(cfg, weights), fingerprint

@@ -29,23 +29,15 @@ from dataclasses import dataclass
 import blake3
 import torch
 
-from kmesh.compute.config import ModelConfig
+from kmesh.compute.config import ModelConfig, RopeTable
 from kmesh.compute.rope import rerotate_keys
 from kmesh.kv.block_pool import blocks_for
 
 
-def _rotate(
-    k: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, config: ModelConfig
-) -> torch.Tensor:
-    """Keys [n, L, H, D] moved from `from_positions` [n] to `to_positions` [n]: one RoPE call
-    for all layers (folded into the heads dimension)."""
-    n, layers, heads, dim = k.shape
-    rotated = rerotate_keys(k.reshape(n, layers * heads, dim), from_positions, to_positions, config)
-    return rotated.view(n, layers, heads, dim)
-
-
-def _rope_geometry(config: ModelConfig) -> tuple[int, int, int, float]:
-    return (config.num_layers, config.num_kv_heads, config.head_dim, config.rope_theta)
+def _rope_geometry(config: ModelConfig) -> tuple[int, int, int, tuple[RopeTable, ...]]:
+    """What a key's bits and turns depend on: layers, kv heads, head_dim, each layer's table."""
+    tables = tuple(layer.rope for layer in config.layers)
+    return (config.num_layers, config.num_kv_heads, config.head_dim, tables)
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # tensor fields: no value equality
@@ -317,8 +309,8 @@ def check_fits(master: Master, mirror: Mirror, config: ModelConfig) -> None:
         )
     if _rope_geometry(config) != _rope_geometry(master.config):
         raise ValueError(
-            f"config (layers, kv_heads, head_dim, rope_theta) {_rope_geometry(config)} != the "
-            f"master's {_rope_geometry(master.config)}"
+            "the config's (layers, kv_heads, head_dim, RoPE tables) differ from the master's: "
+            "its keys would be turned wrong"
         )
 
 
@@ -332,9 +324,9 @@ def _sibling_blocks(master: Master, mirror: Mirror, config: ModelConfig) -> torc
     starts = master.block_positions[mirror.block_table]
     stored = (starts[:, None] + torch.arange(bs, device=starts.device)).flatten()
     target = stored.index_copy(0, mirror.token_slots, mirror.positions)
-    keys = gathered[:, 0].transpose(1, 2).reshape(count * bs, layers, heads, dim)
-    keys = _rotate(keys, stored, target, config).view(count, bs, layers, heads, dim)
-    return torch.stack((keys.transpose(1, 2), gathered[:, 1]), dim=1)
+    keys = gathered[:, 0].transpose(0, 1).reshape(layers, count * bs, heads, dim)
+    keys = rerotate_keys(keys, stored, target, config).view(layers, count, bs, heads, dim)
+    return torch.stack((keys.transpose(0, 1), gathered[:, 1]), dim=1)
 
 
 def kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:

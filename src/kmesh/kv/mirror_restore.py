@@ -5,8 +5,8 @@ Every region token reads one master slot, its key turned from the slot's positio
 from consecutive master slots at one turn, so the tokens fall into runs: consecutive tokens that
 read consecutive slots at the same turn. A run is read a block at a time (a block's part, then
 whole blocks at once: strided views, no gather), its values copied and its keys turned straight
-into the destination with one cos/sin row; then the diff's rows replace theirs. Any mirror
-restores, whatever its runs (one token each at worst).
+into the destination with one cos/sin row per layer (its layer's RoPE table); then the diff's rows
+replace theirs. Any mirror restores, whatever its runs (one token each at worst).
 
 `restore_into` writes the rows into the caller's tensors (a region's rows, say): nothing of the
 region's size is allocated. `restore` allocates them. Both give the same bits as gathering every
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from kmesh.compute.config import ModelConfig
-from kmesh.compute.rope import inverse_frequencies, rope_cos_sin, turn_into
+from kmesh.compute.rope import layer_frequencies, rope_cos_sin, turn_into
 from kmesh.kv.master_mirror import Master, Mirror, check_fits
 
 
@@ -47,9 +47,9 @@ def restore_into(
     keys, values = master.blocks[:, 0], master.blocks[:, 1]  # [B, L, bs, H, D]
     slots = mirror.block_table[mirror.token_slots // bs] * bs + mirror.token_slots % bs
     turn = mirror.positions - (master.block_positions[slots // bs] + slots % bs)
-    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta).to(k.device)
+    inv_freq = layer_frequencies(config).to(k.device)  # [L, D/2]: each layer's own table
     for token, slot, count, angle in _runs(slots, turn):
-        cos, sin = rope_cos_sin(torch.tensor([angle], device=k.device), inv_freq)
+        cos, sin = (x[:, 0] for x in rope_cos_sin(torch.tensor([angle], device=k.device), inv_freq))
         for block, within, whole, rows in _pieces(slot, count, bs):
             at = slice(token + rows.start, token + rows.stop)
             if whole:  # whole blocks: [L, whole, bs, H, D] views on both sides
@@ -63,7 +63,8 @@ def restore_into(
                 src_k = keys[block, :, within : within + len(rows)]
                 src_v = values[block, :, within : within + len(rows)]
                 dst_k, dst_v = k[:, at], v[:, at]
-            turn_into(src_k, cos[0], sin[0], dst_k)
+            per_layer = (len(cos), *[1] * (src_k.dim() - 2), cos.shape[-1])
+            turn_into(src_k, cos.view(per_layer), sin.view(per_layer), dst_k)
             dst_v.copy_(src_v)
     if mirror.diff_index.numel():
         diff_of = torch.full_like(mirror.block_table, -1, dtype=torch.int64)

@@ -30,6 +30,7 @@ import torch
 
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.compute.lora import LoraAdapter, LoraUse
+from kmesh.compute.support import require
 from kmesh.recovery.residual_defaults import DEFAULT_CHECK_TOKENS, DEFAULT_MAX_DEVIATION
 
 
@@ -76,7 +77,9 @@ class AdapterContext:
 def compute_base(
     executor: Executor, token_ids: Sequence[int], adapters: Sequence[LoraAdapter]
 ) -> SharedBase:
-    """Run the context once through the base model, capturing each adapter's r_k and r_v."""
+    """Run the context once through the base model, capturing each adapter's r_k and r_v.
+    Refused (ModelNotSupportedError) on a model whose keys the approximation does not fit."""
+    require(executor.config, "adapter residual")
     tokens = torch.tensor(list(token_ids))
     low_rank = {a.key: LowRank([], []) for a in adapters}
 
@@ -105,7 +108,7 @@ def approximate_kv(executor: Executor, base: SharedBase, adapter: LoraAdapter) -
         if r_k is not None:
             b = adapter.weights[(layer, "k_proj")][1].to(r_k.dtype)
             delta = (r_k @ b.T * adapter.scaling).view(-1, cfg.num_kv_heads, cfg.head_dim)
-            k = k + executor.rotate(delta, base.kv.positions)
+            k = k + executor.rotate(delta, base.kv.positions, layer)
         if r_v is not None:
             b = adapter.weights[(layer, "v_proj")][1].to(r_v.dtype)
             v = v + (r_v @ b.T * adapter.scaling).view(-1, cfg.num_kv_heads, cfg.head_dim)

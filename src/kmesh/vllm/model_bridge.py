@@ -18,7 +18,7 @@ import torch
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import Executor
-from kmesh.compute.weights import LlamaWeights
+from kmesh.compute.weights import ModelWeights
 
 
 class VllmLayer:
@@ -62,7 +62,7 @@ def executor_of_vllm_model(model: Any, config: ModelConfig) -> Executor:
         )
     embed = inner.embed_tokens.weight.data[: config.vocab_size]
     lm_head = embed if config.tie_word_embeddings else model.lm_head.weight.data
-    weights = LlamaWeights(
+    weights = ModelWeights(
         embed_tokens=embed,
         layers=tuple(VllmLayer(layer, config) for layer in inner.layers),
         final_norm=inner.norm.weight.data,

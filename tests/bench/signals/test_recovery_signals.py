@@ -8,7 +8,7 @@ from kmesh.bench.signals.recovery import PROBE_ROWS, attention_mass, probe
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.compute.tiny import TINY_HF_CONFIG, random_state_dict
-from kmesh.compute.weights import LlamaWeights
+from kmesh.compute.weights import ModelWeights
 
 N, FINAL = 60, 8  # prompt tokens, of which the final segment's
 
@@ -17,7 +17,7 @@ N, FINAL = 60, 8  # prompt tokens, of which the final segment's
 def executor() -> Executor:
     config = ModelConfig.from_hf(TINY_HF_CONFIG)
     state = random_state_dict(0, TINY_HF_CONFIG, config.hidden_size**-0.5)
-    return Executor(config, LlamaWeights.from_state_dict(state, config, torch.float32))
+    return Executor(config, ModelWeights.from_state_dict(state, config, torch.float32))
 
 
 @pytest.fixture(scope="module")

@@ -63,11 +63,10 @@ def attention_mass(
     position = torch.tensor([n - 1])
     masses = []
     for layer, h in inputs.items():
-        q, own_k, _ = executor.weights.layers[layer].qkv(h)
-        q = executor.rotate(q.view(1, cfg.num_heads, cfg.head_dim), position)
-        own_k = executor.rotate(own_k.view(1, cfg.num_kv_heads, cfg.head_dim), position)
+        q, own_k = executor.queries_keys(layer, h, position)
         keys = torch.cat((k[layer, : n - 1], own_k))  # [n, kv_heads, D]
-        masses.append(float(attend(q, keys, indicator, None).mean()))
+        scale = cfg.attention_scale
+        masses.append(float(attend(q, keys, indicator, None, scale=scale).mean()))
     return sum(masses) / len(masses)
 
 

@@ -1,0 +1,87 @@
+"""What KMesh does with a model, mechanism by mechanism: exact, approximate, or refused and why.
+
+Read from the model's description (compute/config.py) alone. A mechanism that would be wrong on a
+model is refused where it starts (`require`), in one line, never run; `kmesh model info` prints
+the whole table. "exact" mechanisms are checked against recomputation for every family in
+tests/compute/test_families.py and tests/vllm/test_families_vllm.py; "approximate" ones are
+served only to a caller who asked for them, and measured (docs/benchmarks.md).
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kmesh.compute.config import ModelConfig
+from kmesh.errors import ModelNotSupportedError
+
+Status = Literal["exact", "approximate", "refused"]
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    mechanism: str
+    status: Status
+    why: str  # what it rests on, or why it is refused
+
+
+MECHANISMS = (
+    "exact prefix sharing",
+    "forks and page tails",
+    "restore across instances",
+    "Master-Mirror",
+    "recovery",
+    "collective recovery",
+    "activated LoRA",
+    "adapter residual",
+)
+
+
+def support(config: ModelConfig, mechanism: str) -> Support:
+    """How `mechanism` (one of MECHANISMS) runs on the model."""
+    windows = sorted({w for w in config.windows if w is not None})
+    if mechanism in ("exact prefix sharing", "forks and page tails", "restore across instances"):
+        return Support(mechanism, "exact", "the engine's own KV pages, reused as they are")
+    if mechanism == "Master-Mirror":
+        tables = len(config.rope_tables)
+        return Support(
+            mechanism,
+            "exact",
+            f"keys re-rotated by their layer's RoPE table ({tables} table"
+            f"{'s' if tables > 1 else ''}), values as they are",
+        )
+    if mechanism in ("recovery", "collective recovery"):
+        where = (
+            f"; sliding-window layers (W={', '.join(map(str, windows))}) limit how far a "
+            "deviation travels"
+            if windows
+            else ""
+        )
+        return Support(
+            mechanism, "approximate", f"selected rows recomputed, the rest reused{where}"
+        )
+    if mechanism == "activated LoRA":
+        return Support(mechanism, "exact", "the base model's KV before the adapter's invocation")
+    if mechanism == "adapter residual":
+        if config.qk_norm:
+            return Support(
+                mechanism,
+                "refused",
+                "QK-norm makes a key nonlinear in its pre-RoPE projection, which the residual "
+                "approximation assumes linear",
+            )
+        return Support(
+            mechanism, "approximate", "the base model's KV plus each adapter's rank-r residual"
+        )
+    raise ValueError(f"unknown mechanism {mechanism!r}; one of {', '.join(MECHANISMS)}")
+
+
+def support_table(config: ModelConfig) -> list[Support]:
+    return [support(config, mechanism) for mechanism in MECHANISMS]
+
+
+def require(config: ModelConfig, mechanism: str) -> None:
+    """Raise ModelNotSupportedError where `mechanism` is refused on the model."""
+    entry = support(config, mechanism)
+    if entry.status == "refused":
+        raise ModelNotSupportedError(
+            f"{mechanism} is refused on this {config.family} model: {entry.why}"
+        )
