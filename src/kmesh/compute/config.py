@@ -23,9 +23,11 @@ Fields, for a newcomer:
   scores' multiplier (1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)).
 """
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kmesh.errors import ModelNotSupportedError
@@ -126,6 +128,11 @@ class ModelConfig:
         return tuple(dict.fromkeys(layer.rope for layer in self.layers))
 
     @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        """Describe the model of a folder's config.json (`from_hf`)."""
+        return cls.from_hf(json.loads((Path(folder) / "config.json").read_text()))
+
+    @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
         """Describe the model of a Hugging Face config (config.json as a dict), or raise
         ModelNotSupportedError saying what is not supported and why."""
@@ -139,7 +146,12 @@ class ModelConfig:
             )
         from transformers import AutoConfig
 
-        config = AutoConfig.for_model(**hf)
+        try:
+            config = AutoConfig.for_model(**hf)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ModelNotSupportedError(
+                f"the {model_type!r} config is not one transformers accepts: {error}"
+            ) from None
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -203,9 +215,30 @@ def _refuse_unsupported(hf: Mapping[str, Any]) -> None:
             f"{name!r} soft-caps attention scores (attn_logit_softcapping): KMesh's attention "
             "kernels do not, so its recomputation would not match the model's"
         )
+    for params in _raw_rope_parameters(hf):
+        _check_scaling(params)
     if hf.get("use_bidirectional_attention"):
         raise ModelNotSupportedError(
             f"{name!r} attends bidirectionally: KMesh runs causal decoders"
+        )
+
+
+def _raw_rope_parameters(hf: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The config's RoPE parameter sets as written (one, or one per layer type)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        return []
+    nested = [value for value in params.values() if isinstance(value, Mapping)]
+    return nested or [params]
+
+
+def _check_scaling(params: Mapping[str, Any]) -> None:
+    scaling = params.get("rope_type", params.get("type", "default"))
+    if scaling not in ROPE_SCALINGS:
+        raise ModelNotSupportedError(
+            f"RoPE scaling {scaling!r} is not supported; KMesh implements "
+            f"{', '.join(ROPE_SCALINGS)} (dynamic and longrope rotate a key differently as the "
+            "sequence grows)"
         )
 
 
@@ -240,13 +273,8 @@ def _layers(config: Any, family: _Family, head_dim: int) -> tuple[LayerSpec, ...
 
 def _rope_table(config: Any, params: Mapping[str, Any], layer_type: str | None) -> RopeTable:
     """One RoPE table: transformers' own frequency functions for the scalings it defines."""
+    _check_scaling(params)
     scaling = params.get("rope_type", params.get("type", "default"))
-    if scaling not in ROPE_SCALINGS:
-        raise ModelNotSupportedError(
-            f"RoPE scaling {scaling!r} is not supported; KMesh implements "
-            f"{', '.join(ROPE_SCALINGS)} (dynamic and longrope rotate a key differently as the "
-            "sequence grows)"
-        )
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelNotSupportedError(
             "partial rotary embeddings (partial_rotary_factor < 1) are not supported yet"

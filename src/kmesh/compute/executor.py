@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from kmesh.compute.attention import additive_mask, attend, attend_with_lse, merge
 from kmesh.compute.config import ModelConfig, RopeTable
-from kmesh.compute.lora import LoraAdapter, LoraUse
+from kmesh.compute.lora import LoraUse, add_lora, lora_rows
+from kmesh.compute.masks import causal_mask, context_precedes, shared_groups, window_mask
 from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from kmesh.compute.weights import Layer, ModelWeights
 
@@ -150,23 +151,23 @@ class Executor:
                 x = x * torch.tensor(cfg.embedding_scale, dtype=self.dtype)
         else:
             x = torch.cat(list(residual))
-        groups = _shared_groups(batch)
-        lora_rows = _lora_rows(batch, lengths)
+        groups = shared_groups(batch)
+        adapter_rows = lora_rows([(item.lora, item.positions) for item in batch])
         # Sequences with a shared context go through attend_with_lse and a merge; of those, the
         # ones whose whole `context` precedes their new tokens attend to it apart too (unmasked,
         # uncopied: `_attend`).
         merged = {i for _, members in groups for i in members}
-        apart = {i for i in merged if _context_precedes(batch[i])}
+        apart = {i for i in merged if context_precedes(batch[i])}
         # By-position causal masks over (context, new tokens), the same in every layer (None:
         # causal over the new tokens alone); attend_with_lse's additive ones made once here
         # rather than in every layer.
-        masks = [_causal_mask(item, i in apart) for i, item in enumerate(batch)]
+        masks = [causal_mask(item, i in apart) for i, item in enumerate(batch)]
         masks = [
             additive_mask(m) if m is not None and i in merged else m for i, m in enumerate(masks)
         ]
         # Per sliding window, each sequence's mask over all its keys (shared, context, new).
         window_masks = {
-            w: [_window_mask(item, w) for item in batch] for w in set(cfg.windows) if w is not None
+            w: [window_mask(item, w) for item in batch] for w in set(cfg.windows) if w is not None
         }
         new_k: list[list[torch.Tensor]] = [[] for _ in batch]
         new_v: list[list[torch.Tensor]] = [[] for _ in batch]
@@ -177,7 +178,7 @@ class Executor:
                 on_layer_input(index, h)
             q, k, v = layer.qkv(h)
             for projection, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                _add_lora(lora_rows, index, projection, h, out)
+                add_lora(adapter_rows, index, projection, h, out)
             cos, sin = tables[cfg.layers[index].rope]
             q, k = self._heads_rotated(layer, q, k, cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -212,7 +213,7 @@ class Executor:
                 )
             attn = torch.cat(outputs).reshape(-1, cfg.num_heads * cfg.head_dim)
             o = layer.o(attn)
-            _add_lora(lora_rows, index, "o_proj", attn, o)
+            add_lora(adapter_rows, index, "o_proj", attn, o)
             if layer.post_attention_norm is not None:
                 o = self.norm(o, layer.post_attention_norm)
             x = x + o
@@ -342,76 +343,3 @@ class Executor:
             return attend(q, k, v, mask, causal=mask is None, scale=self._scale)
         out, lse = attend_with_lse(q, k, v, mask, causal=mask is None, scale=self._scale)
         return merge(*shared_part, out, lse)[0].to(q.dtype)
-
-
-def _context_precedes(item: SequenceInput) -> bool:
-    """Whether the item has a context and every one of its keys precedes every new token."""
-    context = item.context
-    return (
-        context is not None
-        and len(context.positions) > 0
-        and bool(context.positions.max() < item.positions.min())
-    )
-
-
-def _causal_mask(item: SequenceInput, context_apart: bool = False) -> torch.Tensor | None:
-    """[n, m + n]: new token i may attend to a context or new key at a position <= its own
-    ([n, n] over the new tokens alone where the context is attended apart); None where that is
-    plain causality (no context, positions increasing)."""
-    key_positions = item.positions
-    if item.context is not None and len(item.context.positions) > 0 and not context_apart:
-        key_positions = torch.cat((item.context.positions, item.positions))
-    elif bool((item.positions[1:] > item.positions[:-1]).all()):
-        return None
-    return key_positions[None, :] <= item.positions[:, None]
-
-
-def _window_mask(item: SequenceInput, window: int) -> torch.Tensor:
-    """[n, keys]: new token i at p may attend to a shared, context or new key at a position in
-    p - window + 1 .. p (keys in the order _attend_window puts them)."""
-    parts = [c.positions for c in (item.shared, item.context) if c is not None]
-    key_positions = torch.cat([*parts, item.positions])
-    distance = item.positions[:, None] - key_positions[None, :]
-    return (distance >= 0) & (distance < window)
-
-
-def _lora_rows(
-    batch: Sequence[SequenceInput], lengths: list[int]
-) -> list[tuple[LoraAdapter, torch.Tensor]]:
-    """Per adapter in the batch, the rows (of all the batch's tokens) it applies to."""
-    rows: dict[int, tuple[LoraAdapter, list[torch.Tensor]]] = {}
-    offset = 0
-    for item, length in zip(batch, lengths, strict=True):
-        if item.lora is not None:
-            active = (item.positions >= item.lora.start).nonzero().flatten() + offset
-            rows.setdefault(id(item.lora.adapter), (item.lora.adapter, []))[1].append(active)
-        offset += length
-    return [(adapter, torch.cat(parts)) for adapter, parts in rows.values()]
-
-
-def _add_lora(
-    lora_rows: list[tuple[LoraAdapter, torch.Tensor]],
-    layer: int,
-    projection: str,
-    x: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Add each adapter's delta of `projection` to its rows of `out` (in place)."""
-    for adapter, rows in lora_rows:
-        if len(rows) == 0:
-            continue
-        delta = adapter.delta(layer, projection, x[rows])
-        if delta is not None:
-            out.index_add_(0, rows, delta.to(out.dtype))
-
-
-def _shared_groups(batch: Sequence[SequenceInput]) -> list[tuple[ContextKV, list[int]]]:
-    """Inputs grouped by the shared context object they hold (checked to precede them)."""
-    groups: dict[int, tuple[ContextKV, list[int]]] = {}
-    for index, item in enumerate(batch):
-        if item.shared is None:
-            continue
-        if len(item.shared.positions) and item.shared.positions.max() >= item.positions.min():
-            raise ValueError("a shared context must precede every new token of its inputs")
-        groups.setdefault(id(item.shared), (item.shared, []))[1].append(index)
-    return list(groups.values())

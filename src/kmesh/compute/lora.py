@@ -149,3 +149,34 @@ def _check_config(config: Mapping[str, object], folder: Path) -> None:
                 f"adapter {str(folder)!r} {why} ({field} = {config.get(field)!r}): KMesh serves "
                 "plain and activated LoRA adapters with one rank and alpha"
             )
+
+
+def lora_rows(
+    uses: Sequence[tuple["LoraUse | None", torch.Tensor]],
+) -> list[tuple[LoraAdapter, torch.Tensor]]:
+    """Per adapter of a batch whose sequences are (use, positions) in order, the rows (of all
+    the batch's tokens) it applies to: a sequence's tokens at positions >= its use's start."""
+    rows: dict[int, tuple[LoraAdapter, list[torch.Tensor]]] = {}
+    offset = 0
+    for use, positions in uses:
+        if use is not None:
+            active = (positions >= use.start).nonzero().flatten() + offset
+            rows.setdefault(id(use.adapter), (use.adapter, []))[1].append(active)
+        offset += len(positions)
+    return [(adapter, torch.cat(parts)) for adapter, parts in rows.values()]
+
+
+def add_lora(
+    adapter_rows: list[tuple[LoraAdapter, torch.Tensor]],
+    layer: int,
+    projection: str,
+    x: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Add each adapter's delta of `projection` to its rows of `out` (in place)."""
+    for adapter, rows in adapter_rows:
+        if len(rows) == 0:
+            continue
+        delta = adapter.delta(layer, projection, x[rows])
+        if delta is not None:
+            out.index_add_(0, rows, delta.to(out.dtype))

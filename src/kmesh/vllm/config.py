@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kmesh.compute.config import DTYPES
+from kmesh.compute.config import DTYPES, ModelConfig
 from kmesh.compute.loader import resolve_model_dir
 from kmesh.errors import InvalidRequestError
 
@@ -104,8 +104,11 @@ def vllm_engine_kwargs(
         raise InvalidRequestError(
             f"vLLM's CPU backend needs a block size that is a multiple of 32, got {block_size}"
         )
+    folder = resolve_model_dir(model)
+    if connector:
+        ModelConfig.from_folder(folder)  # a model KMesh cannot run: refused here, in one line
     kwargs: dict[str, Any] = {
-        "model": str(resolve_model_dir(model)),
+        "model": str(folder),
         "dtype": dtype,
         "enforce_eager": True,
         "enable_prefix_caching": True,
