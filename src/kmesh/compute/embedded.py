@@ -2,15 +2,14 @@
 
 The GGUF is dequantized once with transformers and saved as a float32 safetensors model folder in
 the cache (KMESH_CACHE_DIR, default ~/.cache/kmesh), so later loads neither need nor touch the GGUF.
+The other models KMesh knows by name are in kmesh/compute/packaged.py.
 """
 
 import importlib.util
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
+from kmesh.compute.convert import convert_gguf
 from kmesh.errors import ModelNotFoundError
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,35 +47,10 @@ def ensure_embedded_model() -> Path:
     target = embedded_model_dir()
     if (target / "config.json").is_file():
         return target
-    source = _gguf_folder()
-    print(
-        f"kmesh: converting the embedded model {EMBEDDED_MODEL_NAME} from {_GGUF_FILE} "
-        f"to {target} (once; about a minute)...",
-        file=sys.stderr,
+    source = _gguf_folder() / _GGUF_FILE
+    return convert_gguf(
+        target,
+        f"the embedded model {EMBEDDED_MODEL_NAME} from {_GGUF_FILE}",
+        lambda scratch: source,
+        architecture="LlamaForCausalLM",
     )
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, gguf_file=_GGUF_FILE, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
-        # NOTE: the weights are already dequantized, but save_pretrained refuses a model that
-        # still names a GGUF quantizer; and the GGUF leaves `architectures` empty, which vLLM
-        # needs to pick the model class.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        del model.config.quantization_config
-        model.config.architectures = ["LlamaForCausalLM"]
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(target)  # atomic: a concurrent converter's result wins intact
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target

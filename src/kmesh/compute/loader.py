@@ -12,6 +12,7 @@ from kmesh.compute.config import ModelConfig
 from kmesh.compute.embedded import ensure_embedded_model
 from kmesh.compute.executor import Executor
 from kmesh.compute.fingerprint import model_fingerprint
+from kmesh.compute.packaged import PACKAGED_MODELS, ensure_packaged_model
 from kmesh.compute.weights import LlamaWeights
 from kmesh.errors import ModelNotFoundError
 
@@ -31,14 +32,19 @@ class LoadedModel:
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
-    """The folder to load: the given one (checked), or the embedded default model."""
+    """The folder to load: the embedded default model (None), a packaged model by name
+    (kmesh/compute/packaged.py; a name wins over a folder of that name in the working directory,
+    which `./NAME` reaches), or the given folder (checked)."""
     if model is None:
         return ensure_embedded_model()
+    if isinstance(model, str) and model in PACKAGED_MODELS:
+        return ensure_packaged_model(model)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelNotFoundError(
-            f"model folder {str(path)!r} does not exist; give a folder with config.json and "
-            "*.safetensors, or leave --model out to use the embedded default model"
+            f"model {str(model)!r} does not exist: give a packaged model's name "
+            f"({', '.join(PACKAGED_MODELS)}) or a model folder (config.json and *.safetensors), "
+            "or leave --model out to use the embedded default model"
         )
     if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
         raise ModelNotFoundError(
