@@ -13,7 +13,7 @@ from kmesh.compute.embedded import ensure_embedded_model
 from kmesh.compute.executor import Executor
 from kmesh.compute.fingerprint import model_fingerprint
 from kmesh.compute.packaged import PACKAGED_MODELS, ensure_packaged_model
-from kmesh.compute.weights import LlamaWeights
+from kmesh.compute.weights import ModelWeights
 from kmesh.errors import ModelNotFoundError
 
 # tokenizer_class values AutoTokenizer resolves to TokenizersBackend itself (transformers 5).
@@ -90,7 +90,7 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     for file in weight_files:
         state.update(load_file(file, device=str(device)))
-    weights = LlamaWeights.from_state_dict(state, config, dtype)
+    weights = ModelWeights.from_state_dict(state, config, dtype)
     tokenizer = load_tokenizer(path)
     fingerprint = model_fingerprint(path)
     return LoadedModel(path, config, fingerprint, Executor(config, weights), tokenizer)
