@@ -105,6 +105,7 @@ def test_gemma_is_converted_as_gemma3_with_bos_on_first_use(cache, monkeypatch):
     [options] = calls
     assert options["architecture"] == "Gemma3ForCausalLM"
     assert options["add_bos_token"] is True
+    assert "<start_of_turn>" in options["chat_template"]
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,11 @@ def test_converted_gemmas_tokenizer_adds_bos_and_its_greedy_text_reads_sensibly(
     assert json.loads((gemma / "tokenizer_config.json").read_text())["add_bos_token"] is True
     tokenizer = AutoTokenizer.from_pretrained(gemma)
     assert tokenizer("hi").input_ids[0] == tokenizer.bos_token_id == 2
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
     model = AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]

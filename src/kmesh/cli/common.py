@@ -16,7 +16,12 @@ Options = argparse._ActionsContainer
 
 def add_model_option(parser: Options) -> None:
     """--model: a model folder; the embedded model when absent."""
-    parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a packaged model's name (SmolLM2-135M-Instruct, gemma-3-270m) or a model folder "
+        "(default: the embedded model)",
+    )
 
 
 def add_store_option(parser: Options) -> None:

@@ -20,11 +20,13 @@ def convert_gguf(
     architecture: str,
     config: Mapping[str, Any] | None = None,
     add_bos_token: bool = False,
+    chat_template: str | None = None,
 ) -> Path:
     """Make the model folder `target` from the GGUF file that `gguf(scratch)` returns (it may
     write the file into the empty folder `scratch`, removed afterwards). `architecture` is the
     class vLLM loads; `config` sets fields of the saved config.json; `add_bos_token` makes the
-    saved tokenizer start every encoded text with BOS. `description` names the model and its
+    saved tokenizer start every encoded text with BOS; `chat_template` gives a tokenizer without
+    one a template. `description` names the model and its
     GGUF in the progress line on stderr."""
     print(f"kmesh: converting {description} to {target} (once; about a minute)...", file=sys.stderr)
     import torch
@@ -49,6 +51,8 @@ def convert_gguf(
         model.config.architectures = [architecture]
         for key, value in (config or {}).items():
             setattr(model.config, key, value)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if add_bos_token:

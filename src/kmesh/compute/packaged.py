@@ -58,6 +58,24 @@ _GEMMA_CONFIG: dict[str, Any] = {
 }
 
 
+# Gemma's turn format (<start_of_turn>ROLE ... <end_of_turn>, the assistant's role named "model",
+# a system message folded into the first user turn), for the chat API: the GGUF carries no
+# template. The base model was not tuned on it, so its replies read as continuations; the
+# benches that run it over the chat API measure serving, not answers.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] ~ '\n\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' ~ role ~ '\n' ~ (prefix if loop.first else '') "
+    "~ message['content'] | trim ~ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def gemma_3_270m_dir() -> Path:
     return cache_dir() / "models" / GEMMA_3_270M
 
@@ -82,6 +100,7 @@ def ensure_gemma_3_270m() -> Path:
         architecture="Gemma3ForCausalLM",  # vLLM 0.32's name for its gemma3 model
         config=_GEMMA_CONFIG,
         add_bos_token=True,
+        chat_template=GEMMA_CHAT_TEMPLATE,
     )
 
 
