@@ -209,3 +209,19 @@ def activated_adapters() -> list[Path]:
     from kmesh.adapters.prepare import ensure_adapters
 
     return ensure_adapters("activated", 2)
+
+
+@pytest.fixture(scope="session")
+def family_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`family_folder(name)`: the folder of tests/model_families.py's tiny random model `name`
+    (seed 0), built on first use in the session (~0.6 s each) and shared after."""
+    from tests.model_families import build_family_folder
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_family_folder(name, tmp_path_factory.mktemp(f"family-{name}"))
+        return built[name]
+
+    return get
