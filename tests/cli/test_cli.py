@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kmesh.cli import main
+from kmesh.compute.tiny import TINY_HF_CONFIG
 from tests.conftest import run_kmesh as kmesh
 
 
@@ -169,3 +170,21 @@ def test_bench_round_on_cuda_where_torch_sees_none_is_refused(capsys):
     status, stderr = kmesh_in_process(["bench", "round", "--device", "cuda", "--json", "x"], capsys)
     assert status == 2
     assert "torch sees no CUDA device here; use --device cpu" in stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "mixtral", "num_local_experts": 8}, "mixture-of-experts"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}}, "RoPE scaling"),
+    ],
+)
+@pytest.mark.parametrize("command", [["model", "info"], ["generate", "hi"]])
+def test_a_model_kmesh_does_not_run_is_refused_in_one_line(
+    command, config, message, tmp_path, capsys
+):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_HF_CONFIG, **config}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    status, err = kmesh_in_process([*command, "--model", str(tmp_path)], capsys)
+    assert status == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
