@@ -2,7 +2,8 @@
 
 vLLM gives a KV connector its KV cache tensors but never the model. `kmesh_attach` builds KMesh's
 layerwise executor over the worker's model modules (kmesh/vllm/model_bridge.py: the same weights,
-no second copy) and gives it to the connector, whose recovery then runs inside the worker.
+no second copy; a model that differs from its config.json's description is refused there, so
+vLLM does not start) and gives it to the connector, whose recovery then runs inside the worker.
 KMeshWorker (kmesh/vllm/worker.py) calls it at startup; as vLLM's `worker_extension_cls` it can
 also be mixed into another worker class (appended to its bases: it adds methods, it cannot
 override them, vllm/v1/worker/worker_base.py::WorkerWrapperBase.init_worker) and called through
