@@ -88,6 +88,11 @@ def test_what_is_not_supported_is_refused_in_one_line(change, message):
     assert "\n" not in str(refused.value)
 
 
+def test_vllm_is_refused_where_every_layer_is_windowed():
+    assert support(described("mistral"), "KMeshConnector in vLLM").status == "refused"
+    assert support(described("gemma3"), "KMeshConnector in vLLM").label == "exact, tested"
+
+
 def test_the_adapter_residual_is_refused_under_qk_norm():
     assert support(described("qwen3"), "adapter residual").status == "refused"
     with pytest.raises(ModelNotSupportedError, match="QK-norm"):

@@ -53,7 +53,8 @@ def _model_info(args: argparse.Namespace) -> None:
         "has_chat_template": bool(getattr(load_tokenizer(path), "chat_template", None)),
     }
     table = [
-        {"mechanism": s.mechanism, "status": s.status, "why": s.why} for s in support_table(config)
+        {"mechanism": s.mechanism, "status": s.status, "tested": s.tested, "why": s.why}
+        for s in support_table(config)
     ]
     description = describe(config)
     if args.json:
@@ -76,8 +77,8 @@ def _model_info(args: argparse.Namespace) -> None:
             + (f" x{rope['attention_factor']:.4g}" if rope["attention_factor"] != 1.0 else "")
         )
     print("support")
-    for row in table:
-        print(f"  {row['mechanism']:26} {row['status']:12} {row['why']}")
+    for entry in support_table(config):
+        print(f"  {entry.mechanism:26} {entry.label:14} {entry.why}")
 
 
 def register(commands: Commands) -> None:

@@ -21,9 +21,16 @@ class Support:
     mechanism: str
     status: Status
     why: str  # what it rests on, or why it is refused
+    # Checked on this family by the test suite (an exact mechanism's claim is checked there).
+    tested: bool = True
+
+    @property
+    def label(self) -> str:
+        return "exact, tested" if self.status == "exact" and self.tested else self.status
 
 
 MECHANISMS = (
+    "KMeshConnector in vLLM",
     "exact prefix sharing",
     "forks and page tails",
     "restore across instances",
@@ -38,6 +45,15 @@ MECHANISMS = (
 def support(config: ModelConfig, mechanism: str) -> Support:
     """How `mechanism` (one of MECHANISMS) runs on the model."""
     windows = sorted({w for w in config.windows if w is not None})
+    if mechanism == "KMeshConnector in vLLM":
+        if config.windowed and all(w is not None for w in config.windows):
+            return Support(
+                mechanism,
+                "refused",
+                "every layer attends through a sliding window, so vLLM frees the pages outside "
+                "it while a request runs; KMesh reads any page (the reference engine runs it)",
+            )
+        return Support(mechanism, "exact", "one KV cache group, every page kept")
     if mechanism in ("exact prefix sharing", "forks and page tails", "restore across instances"):
         return Support(mechanism, "exact", "the engine's own KV pages, reused as they are")
     if mechanism == "Master-Mirror":
@@ -59,7 +75,12 @@ def support(config: ModelConfig, mechanism: str) -> Support:
             mechanism, "approximate", f"selected rows recomputed, the rest reused{where}"
         )
     if mechanism == "activated LoRA":
-        return Support(mechanism, "exact", "the base model's KV before the adapter's invocation")
+        return Support(
+            mechanism,
+            "exact",
+            "the base model's KV before the adapter's invocation (tested on Llama models)",
+            tested=config.family == "llama",
+        )
     if mechanism == "adapter residual":
         if config.qk_norm:
             return Support(
