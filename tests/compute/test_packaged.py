@@ -143,7 +143,8 @@ def test_converted_gemmas_tokenizer_adds_bos_and_its_greedy_text_reads_sensibly(
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert text == (
-        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+        "<bos><start_of_turn>system\nBe brief.<end_of_turn>\n<start_of_turn>user\nHi<end_of_turn>\n"
+        "<start_of_turn>model\n"
     )
     model = AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids

@@ -58,19 +58,17 @@ _GEMMA_CONFIG: dict[str, Any] = {
 }
 
 
-# Gemma's turn format (<start_of_turn>ROLE ... <end_of_turn>, the assistant's role named "model",
-# a system message folded into the first user turn), for the chat API: the GGUF carries no
-# template. The base model was not tuned on it, so its replies read as continuations; the
-# benches that run it over the chat API measure serving, not answers.
+# Gemma's turn format (<start_of_turn>ROLE ... <end_of_turn>, the assistant's role named
+# "model"), for the chat API: the GGUF carries no template. Every message is its own turn, a
+# system message too (Gemma's instruction-tuned template folds it into the first user turn; its
+# own turn renders messages incrementally, so each message is a segment that agents can share).
+# The base model was not tuned on it, so its replies read as continuations; the benches that run
+# it over the chat API measure serving, not answers.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set prefix = messages[0]['content'] ~ '\n\n' -%}{%- set turns = messages[1:] -%}"
-    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
-    "{%- for message in turns -%}"
+    "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' ~ role ~ '\n' ~ (prefix if loop.first else '') "
-    "~ message['content'] | trim ~ '<end_of_turn>\n' }}"
+    "{{ '<start_of_turn>' ~ role ~ '\n' ~ message['content'] | trim ~ '<end_of_turn>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )

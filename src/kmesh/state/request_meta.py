@@ -222,10 +222,13 @@ def parse_kmesh_params(value: object) -> KMeshParams:
 def segment_spans(tokenizer: Any, params: KMeshParams) -> tuple[list[int], list[Span]]:
     """The prompt's token ids as the concatenation of each segment's own tokens (so segment
     boundaries fall on token boundaries, and every engine sees the same ids), and each
-    segment's span in them ([start, end), role, id)."""
+    segment's span in them ([start, end), role, id). A prompt whose first segment is text
+    starts with the tokenizer's own start tokens (BOS, for a tokenizer that adds one); a first
+    segment given as token ids carries whatever the prompt starts with."""
     if params.segments is None:
         raise InvalidRequestError("kmesh.segments is missing: there is nothing to encode")
-    ids: list[int] = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    given = params.segments and params.segments[0].token_ids is not None
+    ids: list[int] = [] if given else list(tokenizer("", add_special_tokens=True)["input_ids"])
     spans = []
     for segment in params.segments:
         start = len(ids)

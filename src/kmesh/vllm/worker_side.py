@@ -194,7 +194,9 @@ class WorkerSide:
                 if outcome.transcript:
                     self._transcripts[request_id] = outcome.transcript
         except Exception as error:  # recovery must never take the engine down: vLLM computes
-            log.warning("kmesh: recovery failed, vLLM computes the claimed tokens: %s", error)
+            log.warning(
+                "kmesh: recovery failed, vLLM computes the claimed tokens: %s", error, exc_info=True
+            )
             for job in jobs:
                 self._recovered.pop(job.request_id, None)
                 self._give_back(job)

@@ -141,7 +141,7 @@ class Council:
     def __init__(self, cfg: AllGatherConfig, tokenizer: Any) -> None:
         self.cfg = cfg
         self._chat = chat = ChatML(tokenizer)
-        self._system = chat.message_segment("system", SYSTEM, Role.SHARED, "system")
+        self._system = chat.opening_segment("system", SYSTEM, Role.SHARED, "system")
         self._personas = [
             chat.message_segment("user", persona_text(a), Role.PRIVATE, f"persona-{a}")
             for a in range(cfg.agents)

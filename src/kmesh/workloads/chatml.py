@@ -26,6 +26,12 @@ class ChatML:
         """A message as a prompt's segment of the given kind, carrying its content and role."""
         return Segment(self.message(role, content), kind, segment_id, content, role)
 
+    def opening_segment(self, role: str, content: str, kind: Role, segment_id: str) -> Segment:
+        """A prompt's first message as its segment: after the tokenizer's own start tokens (BOS,
+        for a tokenizer that adds one; none for the embedded model's), as a prompt starts."""
+        start = tuple(self._tokenizer("", add_special_tokens=True)["input_ids"])
+        return Segment(start + self.message(role, content), kind, segment_id, content, role)
+
     def generation_prompt(self, role: str = "assistant") -> tuple[int, ...]:
         """The start of a reply by `role` (the template's generation prompt for "assistant")."""
         return self.tokens(f"<|im_start|>{role}\n")

@@ -61,7 +61,7 @@ class Trajectories:
     def __init__(self, cfg: TrajectoryConfig, tokenizer: Any) -> None:
         self.cfg = cfg
         self._chat = chat = ChatML(tokenizer)
-        self._system = chat.message_segment("system", SYSTEM, Role.SHARED, "system")
+        self._system = chat.opening_segment("system", SYSTEM, Role.SHARED, "system")
         self._tasks = [
             chat.message_segment("user", TASKS[a % len(TASKS)], Role.PRIVATE, f"task-{a}")
             for a in range(cfg.agents)
