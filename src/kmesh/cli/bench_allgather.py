@@ -193,7 +193,12 @@ def register(benches: Commands) -> None:
         default=None,
         help="collective: share of each agent's reused blocks recomputed (default 0)",
     )
-    gather.add_argument("--check-layer", type=int, default=None, help="kv_deviation's (default 1)")
+    gather.add_argument(
+        "--check-layer",
+        type=int,
+        default=None,
+        help="kv_deviation's and the gate's (default: the model's; 1 without sliding windows)",
+    )
     gather.add_argument(
         "--gate",
         type=float,

@@ -23,7 +23,9 @@ to the prefix and the reused KV of the rest; the other reusable tokens keep thei
 every layer. The mean over the sample estimates the region's mean deviation; its precision
 follows the sample's size, not the region's, so the cap keeps the gate's cost flat as regions
 grow (docs/design/collective-recovery.md, "The gate"). Layer 0 cannot serve as check layer: its keys
-depend on the token and position only, so re-rotated keys never deviate there.
+depend on the token and position only, so re-rotated keys never deviate there. A config without
+a check layer gets the model's (`default_check_layer`: 1, or a windowed model's first global
+layer).
 
 Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
 layers counts 2/30.
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput, SequenceOutput
 from kmesh.recovery.policies import check_policy, needs_check_layer, select
 
@@ -42,11 +45,37 @@ from kmesh.recovery.policies import check_policy, needs_check_layer, select
 GATE_SAMPLE_MAX = 64
 
 
+def default_check_layer(config: ModelConfig) -> int:
+    """The check layer of a model when none is given: 1 on a model without sliding windows (or
+    whose first layer is global, or with no global layer), else its first global layer (5 on
+    Gemma 3: five windowed layers, then a global one). Measured on Gemma 3 270M
+    (docs/design/collective-recovery.md, "The gate"): rows chosen by their deviation at layer 1,
+    whose keys have seen only the window before them, did about as well as rows chosen at
+    random; chosen at the first global layer they beat chance, and the recovery's KL was no
+    worse than layer 1's given the same compute (a higher ratio)."""
+    first_global = next((i for i, w in enumerate(config.windows) if w is None), None)
+    return 1 if first_global is None else max(1, first_global)
+
+
+def check_layer_for(check_layer: int | None, config: ModelConfig) -> int:
+    """The check layer to use on a model: the one given (checked against its layers) or its
+    default."""
+    if check_layer is None:
+        return default_check_layer(config)
+    if check_layer < 1:
+        raise ValueError(f"check layer {check_layer}: it must be >= 1 (layer 0 cannot deviate)")
+    if check_layer >= config.num_layers:
+        raise ValueError(
+            f"check layer {check_layer} is not below the model's {config.num_layers} layers"
+        )
+    return check_layer
+
+
 @dataclass(frozen=True, slots=True)
 class RecoveryConfig:
     policy: str
     ratio: float  # share of the reusable units to recompute (ignored by none and full)
-    check_layer: int = 1
+    check_layer: int | None = None  # None: the model's (`default_check_layer`)
     gate: float | None = None  # mean relative deviation above which a region is recomputed
     seed: int = 0
     # A gated region is recomputed here in full; without, it is left alone (fell_back, k/v not
@@ -62,7 +91,7 @@ class RecoveryConfig:
             raise ValueError(f"the recompute ratio must be in [0, 1], got {self.ratio}")
         if not 0.0 < self.gate_sample <= 1.0:
             raise ValueError(f"the gate's sample share must be in (0, 1], got {self.gate_sample}")
-        if self.check_layer < 1:
+        if self.check_layer is not None and self.check_layer < 1:
             raise ValueError("the check layer must be >= 1 (keys never deviate at layer 0)")
 
 
@@ -111,8 +140,7 @@ def recover(
 ) -> list[Recovered]:
     """Recover a batch of regions (one executor batch per phase)."""
     layers = executor.config.num_layers
-    if cfg.check_layer >= layers:
-        raise ValueError(f"check layer {cfg.check_layer} is not below the {layers} layers")
+    check = check_layer_for(cfg.check_layer, executor.config)
     # The check layer is paid only if it is used: to choose (kv_deviation with a budget) or to
     # gate (pointless when everything is recomputed anyway).
     scoring = needs_check_layer(cfg.policy) and cfg.ratio > 0
@@ -124,7 +152,7 @@ def recover(
         for i, (r, c) in enumerate(zip(regions, checked, strict=True))
         if c
     }
-    check_range = range(cfg.check_layer + 1)
+    check_range = range(check + 1)
     first = _run(
         executor,
         [
@@ -139,7 +167,7 @@ def recover(
         mean = None
         deviation = None
         if i in early:
-            deviation = _deviation(early[i], region, early_rows[i], cfg.check_layer)
+            deviation = _deviation(early[i], region, early_rows[i], check)
             mean = float(deviation[region.reusable[early_rows[i]]].mean())
         fell_back = gating and mean is not None and cfg.gate is not None and mean > cfg.gate
         chosen = _choose(region, cfg, deviation if scoring else None, fell_back)
@@ -147,7 +175,7 @@ def recover(
     # Second phase: chosen + new tokens through the remaining layers, against the prefix and the
     # reused KV of everything else; from the check layer's residual where the first phase
     # computed all of them, else from the start.
-    later = range(cfg.check_layer + 1, layers)
+    later = range(check + 1, layers)
     inputs: dict[int, SequenceInput] = {}
     residuals: dict[int, torch.Tensor] = {}
     for i, (region, plan) in enumerate(zip(regions, plans, strict=True)):
@@ -179,7 +207,7 @@ def recover(
     )
     outputs.update(zip(fresh, _run(executor, [inputs[i] for i in fresh], None), strict=True))
     return [
-        _assemble(region, plan, early.get(i), early_rows.get(i), outputs.get(i), cfg, layers)
+        _assemble(region, plan, early.get(i), early_rows.get(i), outputs.get(i), check, layers)
         for i, (region, plan) in enumerate(zip(regions, plans, strict=True))
     ]
 
@@ -288,7 +316,7 @@ def _assemble(
     early: SequenceOutput | None,
     early_rows: torch.Tensor | None,
     late: SequenceOutput | None,
-    cfg: RecoveryConfig,
+    check_layer: int,
     layers: int,
 ) -> Recovered:
     t = len(region.token_ids)
@@ -302,10 +330,10 @@ def _assemble(
         keep = torch.ones_like(early_rows, dtype=torch.bool)
         if region.keep_reused_outside_selection:
             keep = torch.isin(early_rows, compute)
-        for layer in range(cfg.check_layer + 1):
+        for layer in range(check_layer + 1):
             k[layer, early_rows[keep]] = early.k[layer][keep]
             v[layer, early_rows[keep]] = early.v[layer][keep]
-        cost += len(early_rows) * (cfg.check_layer + 1) / layers
+        cost += len(early_rows) * (check_layer + 1) / layers
     if late is not None:
         offset = layers - len(late.k)
         for index, (k_layer, v_layer) in enumerate(zip(late.k, late.v, strict=True)):

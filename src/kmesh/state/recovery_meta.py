@@ -86,11 +86,12 @@ class RecoverySpec(BaseModel):
         description="A region whose mean relative key deviation at `check_layer` exceeds this "
         "is left to the engine's own prefill (null: no gate).",
     )
-    check_layer: int = Field(
-        default=1,
+    check_layer: int | None = Field(
+        default=None,
         ge=1,
         description="The layer whose keys `kv_deviation` and the gate compare (layer 0 cannot "
-        "deviate).",
+        "deviate; below the model's layers). Null: the model's default, layer 1, or on a model "
+        "with sliding-window layers its first global layer (5 on Gemma 3).",
     )
     # kmesh/recovery/recover.py: GATE_SAMPLE_MAX.
     gate_sample: float = Field(

@@ -46,3 +46,11 @@ def test_a_quality_target_is_sent_in_place_of_the_knobs():
         assert not {"policy", "ratio", "gate"} & set(kmesh["recovery"]), name
     _, plain = strategy_request("per_request", 1, turn(1, 2), AllGatherBenchConfig(), AGENTS)
     assert plain["recovery"]["ratio"] == 0.3 and "quality" not in plain["recovery"]
+
+
+def test_the_check_layer_is_sent_only_when_given_else_the_engine_s_model_decides():
+    for cfg, sent in ((AllGatherBenchConfig(), None), (AllGatherBenchConfig(check_layer=3), 3)):
+        _, kmesh = strategy_request("per_request", 1, turn(1, 2), cfg, AGENTS)
+        assert kmesh["recovery"].get("check_layer") == sent
+        recovery = KMeshParams.model_validate(kmesh).recovery
+        assert recovery is not None and recovery.check_layer == sent

@@ -9,11 +9,12 @@ command-line flag that sets it.
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kmesh.compute.config import ModelConfig
 from kmesh.errors import InvalidRequestError
 from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.quality import resolve_quality
-from kmesh.recovery.recover import RecoveryConfig
+from kmesh.recovery.recover import RecoveryConfig, check_layer_for
 from kmesh.state.recovery_meta import RecoverySpec, RoundSpec, check_quality_target
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
@@ -54,7 +55,7 @@ class AllGatherBenchConfig:
     shared_ratio: float = 1.0
     # ... and share of each agent's reused blocks recomputed in its own context.
     agent_ratio: float = 0.0
-    check_layer: int = 1
+    check_layer: int | None = None  # None: the model's (recovery/recover.py)
     # Quality gate: a region whose mean relative key deviation at the check layer exceeds this is
     # recomputed in full. Normal reuse on the embedded model deviates 0.006-0.022; garbage ~1.
     gate: float | None = 0.1
@@ -80,7 +81,7 @@ class AllGatherBenchConfig:
         ):
             if not 0.0 <= value <= 1.0:
                 raise InvalidRequestError(f"{flag} must be between 0 and 1, got {value}")
-        if self.check_layer < 1:
+        if self.check_layer is not None and self.check_layer < 1:
             raise InvalidRequestError(
                 "--check-layer must be at least 1 (layer 0 keys depend on token and position only)"
             )
@@ -94,6 +95,14 @@ class AllGatherBenchConfig:
             check_quality_target(self.quality, "--quality")
         if self.block_size < 1 or self.greedy_tokens < 1:
             raise InvalidRequestError("block size and greedy tokens must be at least 1")
+
+    def for_model(self, model: ModelConfig) -> "AllGatherBenchConfig":
+        """This config with its check layer resolved on `model` (its default when not given),
+        so that reports say which layer was checked."""
+        try:
+            return replace(self, check_layer=check_layer_for(self.check_layer, model))
+        except ValueError as error:
+            raise InvalidRequestError(f"--check-layer: {error}") from None
 
     def recovery(self, ratio: float) -> RecoveryConfig:
         policy = "full" if ratio >= 1.0 else self.policy

@@ -58,7 +58,6 @@ from kmesh.bench.quality import greedy_decode
 from kmesh.bench.signals.recovery import prompt_signals
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor
-from kmesh.errors import InvalidRequestError
 from kmesh.kv.master_mirror import kv_digest
 from kmesh.kv.mirror_restore import restore
 from kmesh.recovery.collective import recover_round
@@ -322,10 +321,7 @@ def run_allgather_bench(
     """The report for `turns` (generated with `workload`); with `sweep`, quality vs recompute
     ratio per policy; with `scale`, the same strategies on traces with other agent counts; with
     `frontier` (it runs closed loops), the frontier sweep (bench/allgather/frontier.py)."""
-    if cfg.check_layer >= executor.config.num_layers:
-        raise InvalidRequestError(
-            f"--check-layer must be below the model's {executor.config.num_layers} layers"
-        )
+    cfg = cfg.for_model(executor.config)
     bench = AllGatherBench(executor, fingerprint, turns, cfg, progress)
     report = bench.report()
     report["config"].update(

@@ -40,7 +40,9 @@ def strategy_request(
     keep = {"keep_output": True} if name == "per_request" else {}
     segments = [_segment_spec(s) for s in turn.prompt.segments]
     ratio = cfg.recompute_ratio if name == "per_request" else cfg.agent_ratio
-    recovery: dict[str, Any] = {"check_layer": cfg.check_layer, "gate_sample": cfg.gate_sample}
+    recovery: dict[str, Any] = {"gate_sample": cfg.gate_sample}
+    if cfg.check_layer is not None:  # else the model's default
+        recovery["check_layer"] = cfg.check_layer
     if cfg.quality is not None:  # the engine resolves it (kmesh/recovery/quality.py)
         recovery["quality"] = cfg.quality
     else:

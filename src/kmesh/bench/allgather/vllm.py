@@ -308,7 +308,9 @@ def run_vllm_allgather_bench(
 
     path = resolve_model_dir(model)
     hf = json.loads((Path(path) / "config.json").read_text())
-    kv_bytes_per_token = ModelConfig.from_hf(hf).kv_bytes_per_token("float32")
+    description = ModelConfig.from_hf(hf)
+    kv_bytes_per_token = description.kv_bytes_per_token("float32")
+    cfg = cfg.for_model(description)
     progress("starting vLLM with KMeshConnector")
     longest = max(len(t.prompt.token_ids) for t in turns) + cfg.greedy_tokens
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
