@@ -4,13 +4,8 @@
 import pytest
 import torch
 
-from kmesh.bench.signals.check_layer import (
-    deviations,
-    make_prompt,
-    measure_prompt,
-    random_prompt,
-    spearman,
-)
+from kmesh.bench.signals.check_layer import deviations, measure_prompt, spearman
+from kmesh.bench.signals.check_layer_prompts import make_prompt, random_prompt
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import Executor
 from kmesh.compute.loader import load_tokenizer, resolve_model_dir
