@@ -40,7 +40,7 @@ sequences of a batch may each use a different adapter (or none).
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +151,7 @@ class Executor:
                 x = x * torch.tensor(cfg.embedding_scale, dtype=self.dtype)
         else:
             x = torch.cat(list(residual))
-        groups = shared_groups(batch)
+        groups = cast(list[tuple[ContextKV, list[int]]], shared_groups(batch))
         adapter_rows = lora_rows([(item.lora, item.positions) for item in batch])
         # Sequences with a shared context go through attend_with_lse and a merge; of those, the
         # ones whose whole `context` precedes their new tokens attend to it apart too (unmasked,

@@ -6,15 +6,32 @@ None where attention is plain causality over the new tokens (the kernel's own ca
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kmesh.compute.executor import ContextKV, SequenceInput
+
+class Keys(Protocol):
+    """KV by position (the executor's ContextKV, as far as masks read it)."""
+
+    @property
+    def positions(self) -> torch.Tensor: ...
 
 
-def context_precedes(item: "SequenceInput") -> bool:
+class SequenceInput(Protocol):
+    """One sequence of a batch (the executor's SequenceInput, as far as masks read it)."""
+
+    @property
+    def positions(self) -> torch.Tensor: ...
+
+    @property
+    def context(self) -> Keys | None: ...
+
+    @property
+    def shared(self) -> Keys | None: ...
+
+
+def context_precedes(item: SequenceInput) -> bool:
     """Whether the item has a context and every one of its keys precedes every new token."""
     context = item.context
     return (
@@ -24,7 +41,7 @@ def context_precedes(item: "SequenceInput") -> bool:
     )
 
 
-def causal_mask(item: "SequenceInput", context_apart: bool = False) -> torch.Tensor | None:
+def causal_mask(item: SequenceInput, context_apart: bool = False) -> torch.Tensor | None:
     """[n, m + n]: new token i may attend to a context or new key at a position <= its own
     ([n, n] over the new tokens alone where the context is attended apart); None where that is
     plain causality (no context, positions increasing)."""
@@ -36,7 +53,7 @@ def causal_mask(item: "SequenceInput", context_apart: bool = False) -> torch.Ten
     return key_positions[None, :] <= item.positions[:, None]
 
 
-def window_mask(item: "SequenceInput", window: int) -> torch.Tensor:
+def window_mask(item: SequenceInput, window: int) -> torch.Tensor:
     """[n, keys]: new token i at p may attend to a shared, context or new key at a position in
     p - window + 1 .. p (keys in the order the executor puts them: shared, context, new)."""
     parts = [c.positions for c in (item.shared, item.context) if c is not None]
@@ -45,9 +62,9 @@ def window_mask(item: "SequenceInput", window: int) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
-def shared_groups(batch: "Sequence[SequenceInput]") -> "list[tuple[ContextKV, list[int]]]":
+def shared_groups(batch: Sequence[SequenceInput]) -> list[tuple[Keys, list[int]]]:
     """Inputs grouped by the shared context object they hold (checked to precede them)."""
-    groups: dict[int, tuple[ContextKV, list[int]]] = {}
+    groups: dict[int, tuple[Keys, list[int]]] = {}
     for index, item in enumerate(batch):
         if item.shared is None:
             continue
