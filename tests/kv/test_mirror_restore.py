@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kmesh.compute.config import ModelConfig
-from kmesh.compute.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from kmesh.compute.rope import apply_rope, inverse_frequencies, rerotate_keys, rope_cos_sin
 from kmesh.compute.tiny import TINY_HF_CONFIG
 from kmesh.kv.master_mirror import Master, MasterSegment, Mirror
 from kmesh.kv.mirror_restore import _runs, restore, restore_into
@@ -125,3 +125,44 @@ def test_a_mirror_of_another_master_is_refused():
     other = ModelConfig.from_hf({**TINY_HF_CONFIG, "rope_theta": 500000.0})
     with pytest.raises(ValueError, match="RoPE tables"):
         restore(master, mirror, other)
+
+
+def test_each_layer_is_turned_by_its_own_rope_table():
+    """Gemma 3's local and global layers have different thetas: a restore turns each layer's
+    keys by its own table, the bits rerotate_keys gives every gathered key."""
+    two_tables = ModelConfig.from_hf(
+        {
+            **TINY_HF_CONFIG,
+            "model_type": "gemma3_text",
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        }
+    )
+    assert len(two_tables.rope_tables) == 2
+    gen = torch.Generator().manual_seed(5)
+    segments = [
+        MasterSegment(
+            torch.randn(LAYERS, n, HEADS, DIM, generator=gen),
+            torch.randn(LAYERS, n, HEADS, DIM, generator=gen),
+            at + torch.arange(n),
+        )
+        for n, at in ((11, 3), (20, 14))
+    ]
+    master = Master.build(segments, 8, two_tables)
+    mirror = Mirror.of(master, (1, 0), 250)
+    bs = master.block_size
+    block = mirror.block_table[mirror.token_slots // bs]
+    within = mirror.token_slots % bs
+    stored = master.block_positions[block] + within
+    gathered = master.blocks[:, 0].permute(1, 0, 2, 3, 4)[:, block, within]
+    k, _ = restore(master, mirror, two_tables)
+    assert same_bits(k, rerotate_keys(gathered, stored, mirror.positions, two_tables))
+    one_table = rerotate_keys(gathered, stored, mirror.positions, CONFIG)  # both layers local
+    assert torch.equal(one_table[0], k[0]) and not torch.equal(one_table[1], k[1])
+    with pytest.raises(ValueError, match="RoPE tables"):
+        restore(master, mirror, CONFIG)
