@@ -45,8 +45,9 @@ MECHANISMS = (
 def support(config: ModelConfig, mechanism: str) -> Support:
     """How `mechanism` (one of MECHANISMS) runs on the model."""
     windows = sorted({w for w in config.windows if w is not None})
+    all_windowed = config.windowed and all(w is not None for w in config.windows)
     if mechanism == "KMeshConnector in vLLM":
-        if config.windowed and all(w is not None for w in config.windows):
+        if all_windowed:
             return Support(
                 mechanism,
                 "refused",
@@ -54,8 +55,12 @@ def support(config: ModelConfig, mechanism: str) -> Support:
                 "it while a request runs; KMesh reads any page (the reference engine runs it)",
             )
         return Support(mechanism, "exact", "one KV cache group, every page kept")
-    if mechanism in ("exact prefix sharing", "forks and page tails", "restore across instances"):
+    if mechanism in ("exact prefix sharing", "forks and page tails"):
         return Support(mechanism, "exact", "the engine's own KV pages, reused as they are")
+    if mechanism == "restore across instances":
+        # Tested per family through vLLM's store path, which refuses an all-windowed model.
+        why = "the engine's own KV pages, stored and restored byte for byte"
+        return Support(mechanism, "exact", why, tested=not all_windowed)
     if mechanism == "Master-Mirror":
         tables = len(config.rope_tables)
         return Support(
