@@ -58,11 +58,36 @@ def _offline_engines_in_process() -> None:
 _offline_engines_in_process()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that start vLLM run first, each module's tests kept together and in order: under
-    `make test`'s processes (`--dist loadfile --no-loadscope-reorder`: xdist would otherwise put
-    the modules with most tests first) the longest modules start first, so no process is left
-    alone with one at the end."""
+# Tests marked so run only when `-m` names the marker (`pytest -m families tests/vllm`); `make
+# test` leaves them out, to stay within the suite's time.
+OPT_IN_MARKERS = {
+    "families": "vLLM on the model families beyond the default suite's (tests/vllm/"
+    "test_families_vllm.py); select with -m families",
+    "gemma": "converts Gemma 3 270M for real (about a minute and 1 GB the first time) and runs "
+    "it; select with -m gemma",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, description in OPT_IN_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Opt-in tests (OPT_IN_MARKERS) are left out unless `-m` names their marker. Modules that
+    start vLLM run first, each module's tests kept together and in order: under `make test`'s
+    processes (`--dist loadfile --no-loadscope-reorder`: xdist would otherwise put the modules
+    with most tests first) the longest modules start first, so no process is left alone with one
+    at the end."""
+    expression = config.getoption("markexpr", "") or ""
+    left_out = [
+        item
+        for item in items
+        if any(item.get_closest_marker(m) and m not in expression for m in OPT_IN_MARKERS)
+    ]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
     starts_vllm = {item.path for item in items if item.get_closest_marker("vllm")}
     items.sort(key=lambda item: item.path not in starts_vllm)
 

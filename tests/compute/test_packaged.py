@@ -1,6 +1,6 @@
 """Packaged models by name: resolution and its errors without converting anything, then Gemma 3
-270M converted for real (once, cached like the embedded model: about a minute and 1 GB the first
-time)."""
+270M converted for real (`-m gemma`: about a minute and 1 GB the first time, then cached like the
+embedded model; the embedded model's conversion, the same convert_gguf, runs in every suite)."""
 
 import json
 import types
@@ -115,6 +115,7 @@ def gemma() -> Path:
 
 
 @pytest.mark.model
+@pytest.mark.gemma
 def test_converted_gemma_has_gemma_3_270ms_config(gemma):
     config = json.loads((gemma / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForCausalLM"]
@@ -133,6 +134,7 @@ def test_converted_gemma_has_gemma_3_270ms_config(gemma):
 
 
 @pytest.mark.model
+@pytest.mark.gemma
 def test_converted_gemmas_tokenizer_adds_bos_and_its_greedy_text_reads_sensibly(gemma):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -11,28 +11,6 @@ from pathlib import Path
 import pytest
 
 JOB_TIMEOUT_S = 900
-# Tests marked so run only when `-m` names the marker (`pytest -m families tests/vllm`); `make
-# test` leaves them out (tests/vllm/test_families_vllm.py: the families beyond the default ones).
-OPT_IN_MARKERS = {
-    "families": "vLLM on the model families beyond the default suite's; select with -m families",
-}
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    for name, description in OPT_IN_MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {description}")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    expression = config.getoption("markexpr", "") or ""
-    left_out = [
-        item
-        for item in items
-        if any(item.get_closest_marker(m) and m not in expression for m in OPT_IN_MARKERS)
-    ]
-    if left_out:
-        config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if item not in left_out]
 
 
 def run_job(name: str, out: Path, all_cores: bool = False, args: Sequence[str] = ()) -> dict:
