@@ -1,0 +1,2 @@
+"""kmesh bench tasks: agents' reading of their siblings' messages, scored against ground truth
+under each reuse strategy."""
