@@ -13,13 +13,8 @@ from kmesh.compute.executor import DenseKV, Executor, SequenceInput
 from kmesh.compute.tiny import SHAPES, TINY_HF_CONFIG, random_state_dict
 from kmesh.compute.weights import ModelWeights
 from kmesh.errors import InvalidRequestError
-from kmesh.recovery.recover import (
-    RecoveryConfig,
-    RegionInput,
-    check_layer_for,
-    default_check_layer,
-    recover,
-)
+from kmesh.recovery.check_layer import check_layer_for, default_check_layer
+from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
 from kmesh.state.recovery_meta import RecoverySpec
 from tests.conftest import random_tokens
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput
+from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
 from tests.conftest import random_tokens
 
@@ -48,7 +49,7 @@ def _region(executor: Executor, tokens: list[int], reused: str, block: bool = Fa
     )
 
 
-@pytest.mark.parametrize("policy", ["none", "full", "kv_deviation", "first_k", "random"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("ratio", [0.0, 0.3])
 def test_with_exact_reused_kv_every_policy_reproduces_full_prefill(tiny, policy, ratio):
     executor, _ = tiny
@@ -210,3 +211,143 @@ def test_a_scratch_region_gets_its_result_in_its_own_tensors_as_a_copy_would(tin
     assert out.k is scratch.reused_k and out.v is scratch.reused_v
     assert torch.equal(out.k, copied.k) and torch.equal(out.v, copied.v)
     assert not torch.equal(region.reused_k, copied.k)  # a region that is not scratch is left alone
+
+
+def _query_scores(executor: Executor, tokens: list[int], region: RegionInput) -> torch.Tensor:
+    """[REGION] attention of the asking new tokens (the last 4: tokens 0 and 1 precede every
+    reusable one) on each reusable token at layer 1, brute force from a full forward's queries
+    and keys (exact reused KV: the region's first phase sees what the full forward sees)."""
+    captured: dict[int, torch.Tensor] = {}
+    out = executor.forward(
+        [SequenceInput(torch.tensor(tokens), torch.arange(len(tokens)))],
+        on_layer_input=lambda i, h: captured.setdefault(i, h),
+    )[0]
+    asking = torch.arange(PREFIX + 26, PREFIX + REGION)
+    q, _ = executor.queries_keys(1, captured[1][asking], asking)
+    keys = out.k[1][PREFIX:][region.reusable]
+    group = q.shape[1] // keys.shape[1]
+    logits = torch.einsum("nhd,mhd->nhm", q, keys.repeat_interleave(group, dim=1))
+    weights = torch.softmax(logits * executor.config.attention_scale, dim=-1)
+    scores = torch.zeros(REGION)
+    scores[region.reusable] = weights.mean(dim=(0, 1))
+    return scores
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_query_recomputes_the_units_the_new_tokens_attend_to_most(tiny, block):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=9)
+    region = _region(executor, tokens, "exact", block=block)
+    scores = _query_scores(executor, tokens, region)
+    out = recover(executor, [region], RecoveryConfig("query", 0.25))[0]
+    if region.block is None:
+        expected = torch.sort(torch.topk(scores, 6).indices).values
+    else:  # a block scores its tokens' sum: 7 blocks hold reusable tokens, 0.25 of them is 2
+        sums = torch.zeros(REGION // 4 + 1).index_add(0, region.block, scores)
+        top = torch.topk(sums, 2).indices
+        expected = torch.nonzero(torch.isin(region.block, top) & region.reusable)[:, 0]
+    assert torch.equal(out.recomputed, expected)
+    # the new tokens through the check layers 0..1 to ask, then the chosen and new ones through all
+    assert out.computed_tokens == pytest.approx(6 + len(expected) + 6)
+    assert out.deviation is None  # no gate: nothing deviates
+
+
+def test_query_recomputes_reused_tokens_the_new_ones_are_made_to_attend_to(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=10)
+    region = _region(executor, tokens, "garbage")
+    # The new tokens' first phase as recovery runs it: against the prefix and the reused KV
+    new = ~region.reusable
+    assert region.prefix is not None
+    context = DenseKV(
+        torch.cat((region.prefix.positions, region.positions[~new])),
+        [torch.cat((region.prefix.k[i], region.reused_k[i, ~new])) for i in range(2)],
+        [torch.cat((region.prefix.v[i], region.reused_v[i, ~new])) for i in range(2)],
+    )
+    captured: dict[int, torch.Tensor] = {}
+    executor.forward(
+        [SequenceInput(region.token_ids[new], region.positions[new], context)],
+        on_layer_input=lambda i, h: captured.setdefault(i, h),
+    )
+    asking = torch.nonzero(new)[:, 0] >= 26  # tokens 0 and 1 precede every reusable one
+    q, _ = executor.queries_keys(1, captured[1][asking], region.positions[new][asking])
+    # Each kv head's key of tokens 5 and 17 along the sum of the queries that read it
+    kv_heads = region.reused_k.shape[2]
+    toward = q.view(len(q), kv_heads, -1, q.shape[-1]).sum(dim=(0, 2))
+    for row in (5, 17):
+        region.reused_k[1, row] = 20 * toward / toward.norm(dim=-1, keepdim=True)
+    out = recover(executor, [region], RecoveryConfig("query", 2 / 24))[0]
+    assert out.recomputed.tolist() == [5, 17]
+
+
+def test_first_k_and_query_splits_the_budget(tiny):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=9)
+    region = _region(executor, tokens, "exact")
+    scores = _query_scores(executor, tokens, region)
+    out = recover(executor, [region], RecoveryConfig("first_k+query", 0.25))[0]
+    first = [2, 3, 14]  # segment 0's first reusable tokens 2 and 3 and segment 1's first, 14
+    scores[first] = -1.0
+    rest = torch.topk(scores, 3).indices.tolist()
+    assert out.recomputed.tolist() == sorted(first + rest)
+
+
+@pytest.mark.parametrize("policy", ["query", "first_k+query"])
+def test_query_at_ratio_one_is_full_recomputation_and_at_zero_is_none(tiny, policy):
+    executor, _ = tiny
+    tokens = random_tokens(PREFIX + REGION, seed=2)
+    region = _region(executor, tokens, "garbage")
+    full = recover(executor, [region], RecoveryConfig("full", 0.0))[0]
+    everything = recover(executor, [region], RecoveryConfig(policy, 1.0))[0]
+    assert torch.equal(everything.recomputed, full.recomputed)
+    torch.testing.assert_close(everything.k, full.k, atol=ATOL, rtol=0)
+    torch.testing.assert_close(everything.v, full.v, atol=ATOL, rtol=0)
+    assert everything.last_hidden is not None and full.last_hidden is not None
+    torch.testing.assert_close(everything.last_hidden, full.last_hidden, atol=ATOL, rtol=0)
+    none = recover(executor, [region], RecoveryConfig("none", 0.0))[0]
+    nothing = recover(executor, [region], RecoveryConfig(policy, 0.0))[0]
+    assert len(nothing.recomputed) == 0 and nothing.computed_tokens == none.computed_tokens
+    assert torch.equal(nothing.k, none.k) and torch.equal(nothing.v, none.v)
+
+
+def test_the_gate_still_falls_back_under_query(tiny):
+    executor, _ = tiny
+    layers = executor.config.num_layers
+    tokens = random_tokens(PREFIX + REGION, seed=4)
+    k, _, logits = _full(executor, tokens)
+    gated = RecoveryConfig("query", 0.25, gate=0.5, gate_sample=0.25)
+    bad = recover(executor, [_region(executor, tokens, "garbage")], gated)[0]
+    assert bad.fell_back and len(bad.recomputed) == 24
+    assert bad.last_hidden is not None
+    torch.testing.assert_close(executor.logits(bad.last_hidden[None])[0], logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(bad.k, k[:, PREFIX:], atol=ATOL, rtol=0)
+    good = recover(executor, [_region(executor, tokens, "exact")], gated)[0]
+    assert not good.fell_back and good.deviation is not None and good.deviation < 1e-3
+    assert len(good.recomputed) == 6
+    # 6 sampled and the 6 new tokens through the check layers, then 6 chosen and 6 new through all
+    assert good.computed_tokens == pytest.approx((6 + 6) * 2 / layers + (6 + 6))
+
+
+@pytest.mark.parametrize("new", ["none", "only_before"])
+@pytest.mark.parametrize("policy", ["query", "first_k+query"])
+def test_a_region_where_no_new_token_asks_gets_first_k_s_choice(tiny, policy, new):
+    executor, _ = tiny
+    region = _region(executor, random_tokens(PREFIX + REGION, seed=5), "garbage")
+    reusable = torch.ones(REGION, dtype=torch.bool)
+    if new == "only_before":
+        reusable[:2] = False  # tokens 0 and 1 precede every reusable token: they see none
+    region = replace(region, reusable=reusable)
+    out = recover(executor, [region], RecoveryConfig(policy, 0.3))[0]
+    first_k = recover(executor, [region], RecoveryConfig("first_k", 0.3))[0]
+    assert torch.equal(out.recomputed, first_k.recomputed)
+    torch.testing.assert_close(out.k, first_k.k, atol=ATOL, rtol=0)
+    assert out.computed_tokens == pytest.approx(first_k.computed_tokens)  # nothing was asked
+
+
+def test_first_k_and_kv_deviation_pays_the_check_layer_for_every_token(tiny):
+    executor, _ = tiny
+    region = _region(executor, random_tokens(PREFIX + REGION, seed=3), "garbage")
+    both = recover(executor, [region], RecoveryConfig("first_k+kv_deviation", 0.25))[0]
+    alone = recover(executor, [region], RecoveryConfig("kv_deviation", 0.25))[0]
+    assert both.computed_tokens == pytest.approx(alone.computed_tokens)
+    assert {2, 3, 14} <= set(both.recomputed.tolist()) and len(both.recomputed) == 6

@@ -21,9 +21,10 @@ Where the master comes from (`MASTER_CHOICES`):
 Every other sibling (`recover_siblings`): its mirrors place the master's segments at its
 positions in its order (one mirror per contiguous run of round segments: one fused gather + RoPE
 call each), and the policy recomputes the config's `ratio` of the placed blocks (whole blocks:
-kv_deviation the ones its own history disturbs most, first_k the first of each segment, random);
-tokens outside the round's segments are computed. Uncorrected blocks keep the master's KV exactly,
-so each mirror's diff is block-sparse (the recomputed blocks) and `restore` gives the sibling's
+kv_deviation the ones its own history disturbs most, first_k the first of each segment, query
+the ones its own tokens attend to most, random, or a mix: recovery/policies.py); tokens outside
+the round's segments are computed. Uncorrected blocks keep the master's KV exactly, so each
+mirror's diff is block-sparse (the recomputed blocks) and `restore` gives the sibling's
 KV back bit-identically; the master sibling's mirrors have an empty diff (its keys turn by 0).
 
 What stays approximate: a mirrored sibling's uncorrected blocks attended to the master sibling's

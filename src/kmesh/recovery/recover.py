@@ -7,11 +7,17 @@ prefix and the reused KV of everything not recomputed (the executor's subset pri
 
 - policies without a check layer (none, full, first_k, random) compute the chosen tokens through
   all layers;
-- kv_deviation (CacheBlend) first computes every region token through layers 0..c (the check
-  layer c), scores each reusable token by the relative deviation of its fresh keys from the reused
-  ones at layer c, then continues only the chosen and new tokens through the later layers. The
-  fresh KV of layers 0..c is kept for every token (it is paid for), unless the caller wants the
-  reused KV kept outside the chosen units (a Master-Mirror sibling, whose diff must stay sparse).
+- kv_deviation (CacheBlend; and first_k+kv_deviation) first computes every region token through
+  layers 0..c (the check layer c), scores each reusable token by the relative deviation of its
+  fresh keys from the reused ones at layer c, then continues only the chosen and new tokens
+  through the later layers. The fresh KV of layers 0..c is kept for every token (it is paid for),
+  unless the caller wants the reused KV kept outside the chosen units (a Master-Mirror sibling,
+  whose diff must stay sparse);
+- query (ProphetKV; and first_k+query) first computes the region's new tokens (and the gate's
+  sample, if gated) through layers 0..c, scores each reusable token by the attention the new
+  tokens' queries pay its reused key at layer c (recovery/query_scores.py), then computes the
+  chosen and new tokens through all layers (the new ones twice through 0..c, both counted). A
+  region where no new token follows a reusable one (nothing asks) gets first_k's choice.
 
 The quality gate: with a threshold set, the check layer is computed for every region (also for
 policies that do not need it) and a region whose mean relative deviation exceeds the threshold is
@@ -22,10 +28,7 @@ spaced `gate_sample` share of the reusable tokens (at least one per region, at m
 to the prefix and the reused KV of the rest; the other reusable tokens keep their reused KV at
 every layer. The mean over the sample estimates the region's mean deviation; its precision
 follows the sample's size, not the region's, so the cap keeps the gate's cost flat as regions
-grow (docs/design/collective-recovery.md, "The gate"). Layer 0 cannot serve as check layer: its keys
-depend on the token and position only, so re-rotated keys never deviate there. A config without
-a check layer gets the model's (`default_check_layer`: 1, or a windowed model's first global
-layer).
+grow (docs/design/collective-recovery.md, "The gate"). Which layer checks: recovery/check_layer.py.
 
 Cost is counted in token-layers divided by the number of layers: a token computed through 2 of 30
 layers counts 2/30.
@@ -36,46 +39,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kmesh.compute.config import ModelConfig
 from kmesh.compute.executor import DenseKV, Executor, SequenceInput, SequenceOutput
-from kmesh.recovery.policies import check_policy, needs_check_layer, select
+from kmesh.recovery.check_layer import check_layer_for
+from kmesh.recovery.policies import check_policy, needs_check_layer, needs_queries, select
+from kmesh.recovery.query_scores import QueryCapture, asks, reusable_attention
 
 # Most reusable tokens a sampled gate reads per region (docs/design/collective-recovery.md, "The
 # gate").
 GATE_SAMPLE_MAX = 64
 
 
-def default_check_layer(config: ModelConfig) -> int:
-    """The check layer of a model when none is given: 1 on a model without sliding windows (or
-    whose first layer is global, or with no global layer), else its first global layer (5 on
-    Gemma 3: five windowed layers, then a global one). Measured on Gemma 3 270M
-    (docs/design/collective-recovery.md, "The gate"): rows chosen by their deviation at layer 1,
-    whose keys have seen only the window before them, did about as well as rows chosen at
-    random; chosen at the first global layer they beat chance, and the recovery's KL was no
-    worse than layer 1's given the same compute (a higher ratio)."""
-    first_global = next((i for i, w in enumerate(config.windows) if w is None), None)
-    return 1 if first_global is None else max(1, first_global)
-
-
-def check_layer_for(check_layer: int | None, config: ModelConfig) -> int:
-    """The check layer to use on a model: the one given (checked against its layers) or its
-    default."""
-    if check_layer is None:
-        return default_check_layer(config)
-    if check_layer < 1:
-        raise ValueError(f"check layer {check_layer}: it must be >= 1 (layer 0 cannot deviate)")
-    if check_layer >= config.num_layers:
-        raise ValueError(
-            f"check layer {check_layer} is not below the model's {config.num_layers} layers"
-        )
-    return check_layer
-
-
 @dataclass(frozen=True, slots=True)
 class RecoveryConfig:
     policy: str
     ratio: float  # share of the reusable units to recompute (ignored by none and full)
-    check_layer: int | None = None  # None: the model's (`default_check_layer`)
+    check_layer: int | None = None  # None: the model's (check_layer.default_check_layer)
     gate: float | None = None  # mean relative deviation above which a region is recomputed
     seed: int = 0
     # A gated region is recomputed here in full; without, it is left alone (fell_back, k/v not
@@ -141,36 +119,43 @@ def recover(
     """Recover a batch of regions (one executor batch per phase)."""
     layers = executor.config.num_layers
     check = check_layer_for(cfg.check_layer, executor.config)
-    # The check layer is paid only if it is used: to choose (kv_deviation with a budget) or to
-    # gate (pointless when everything is recomputed anyway).
+    # The check layers are paid only if used: to choose (kv_deviation or query with a budget;
+    # query where a new token may ask) or to gate (pointless when everything is recomputed).
     scoring = needs_check_layer(cfg.policy) and cfg.ratio > 0
+    querying = needs_queries(cfg.policy) and cfg.ratio > 0
     gating = cfg.gate is not None and cfg.policy != "full"
-    checked = [bool(r.reusable.any()) and (scoring or gating) for r in regions]
+    checked = [
+        ((scoring or gating) and bool(r.reusable.any())) or (querying and asks(r)) for r in regions
+    ]
     # Per checked region: the tokens computed through the check layers (sorted).
-    early_rows = {
-        i: _early_rows(r, 1.0 if scoring else cfg.gate_sample)
-        for i, (r, c) in enumerate(zip(regions, checked, strict=True))
-        if c
-    }
-    check_range = range(check + 1)
+    sample = 1.0 if scoring else cfg.gate_sample if gating else 0.0
+    early_rows = {i: _early_rows(r, sample) for i, r in enumerate(regions) if checked[i]}
+    capture = QueryCapture(check, [~regions[i].reusable[rows] for i, rows in early_rows.items()])
     first = _run(
         executor,
         [
             SequenceInput(r.token_ids[rows], r.positions[rows], _context(r, rows), _prefix(r))
             for r, rows in ((regions[i], rows) for i, rows in early_rows.items())
         ],
-        check_range,
+        range(check + 1),
+        on_layer_input=capture if querying else None,
     )
     early: dict[int, SequenceOutput] = dict(zip(early_rows, first, strict=True))
+    asked = dict(zip(early_rows, capture.inputs, strict=True)) if querying else {}
     plans: list[_Plan] = []
     for i, region in enumerate(regions):
         mean = None
         deviation = None
-        if i in early:
+        if i in early and (scoring or gating):
             deviation = _deviation(early[i], region, early_rows[i], check)
             mean = float(deviation[region.reusable[early_rows[i]]].mean())
+        attention = None
+        if i in asked:
+            attention = reusable_attention(
+                executor, check, asked[i], region, region.reused_k[check]
+            )
         fell_back = gating and mean is not None and cfg.gate is not None and mean > cfg.gate
-        chosen = _choose(region, cfg, deviation if scoring else None, fell_back)
+        chosen = _choose(region, cfg, deviation if scoring else None, attention, fell_back)
         plans.append(_Plan(chosen, mean, fell_back))
     # Second phase: chosen + new tokens through the remaining layers, against the prefix and the
     # reused KV of everything else; from the check layer's residual where the first phase
@@ -217,16 +202,19 @@ def _run(
     batch: list[SequenceInput],
     layers: range | None,
     residual: list[torch.Tensor] | None = None,
+    on_layer_input: QueryCapture | None = None,
 ) -> list[SequenceOutput]:
-    return executor.forward(batch, layers, residual) if batch else []
+    return executor.forward(batch, layers, residual, on_layer_input) if batch else []
 
 
 def _early_rows(region: RegionInput, sample: float) -> torch.Tensor:
     """Sorted region rows computed through the check layers: every new token, and an evenly
-    spaced `sample` share of the reusable ones (all of them at 1.0; at least one, at most
-    GATE_SAMPLE_MAX)."""
+    spaced `sample` share of the reusable ones (all of them at 1.0; none at 0.0, for query's
+    scores alone; else at least one, at most GATE_SAMPLE_MAX)."""
     if sample >= 1.0:
         return torch.arange(len(region.token_ids), device=region.token_ids.device)
+    if sample == 0.0:
+        return torch.nonzero(~region.reusable)[:, 0]
     reusable = torch.nonzero(region.reusable)[:, 0]
     count = max(1, min(GATE_SAMPLE_MAX, round(sample * len(reusable))))
     spaced = torch.linspace(0, len(reusable) - 1, count, device=reusable.device)
@@ -248,14 +236,20 @@ def _deviation(
 
 
 def _choose(
-    region: RegionInput, cfg: RecoveryConfig, deviation: torch.Tensor | None, fell_back: bool
+    region: RegionInput,
+    cfg: RecoveryConfig,
+    deviation: torch.Tensor | None,
+    attention: torch.Tensor | None,
+    fell_back: bool,
 ) -> torch.Tensor:
-    """Sorted indices of the reusable tokens to recompute; `deviation` covers every region token
-    (kv_deviation's scores) or is None."""
+    """Sorted indices of the reusable tokens to recompute; `deviation` (kv_deviation's scores: a
+    unit scores its tokens' mean) and `attention` (query's: a unit scores its tokens' sum) cover
+    every region token, or are None (for query: nothing asked, so first_k's choice)."""
     tokens = torch.nonzero(region.reusable)[:, 0]
     device = tokens.device
     if fell_back or cfg.policy == "full":
         return tokens
+    policy = "first_k" if needs_queries(cfg.policy) and attention is None else cfg.policy
     if region.block is None:
         unit_of_token = torch.arange(len(tokens), device=device)
         units = len(tokens)
@@ -265,14 +259,16 @@ def _choose(
     unit_segment = torch.zeros(units, dtype=torch.int64, device=device).scatter_(
         0, unit_of_token, region.segment[tokens]
     )
-    unit_deviation = None
+    zeros = torch.zeros(units, device=device)
+    unit_deviation = unit_attention = None
     if deviation is not None:
-        zeros = torch.zeros(units, device=device)
         sums = zeros.index_add(0, unit_of_token, deviation[tokens].float())
         counts = zeros.index_add(0, unit_of_token, torch.ones(len(tokens), device=device))
         unit_deviation = sums / counts
+    if attention is not None:
+        unit_attention = zeros.index_add(0, unit_of_token, attention[tokens])
     units_chosen = select(
-        cfg.policy, round(cfg.ratio * units), unit_segment, unit_deviation, cfg.seed
+        policy, round(cfg.ratio * units), unit_segment, unit_deviation, unit_attention, cfg.seed
     )
     return tokens[torch.isin(unit_of_token, units_chosen)]
 

@@ -11,7 +11,7 @@ region [start, end) goes through kmesh.recovery:
   and tokens) is re-rotated to its positions and reused, or else the stored output of an earlier
   request (`keep_output`: its generated tokens' KV as its author computed them) found inside it,
   the segment's other tokens (a header, closing tokens) then computed; the policy recomputes `ratio`
-  of the reused tokens (kv_deviation, first_k, random; none keeps it as is, full recomputes all).
+  of the reused tokens (recovery/policies.py; none keeps it as is, full recomputes all).
   Tokens no stored segment covers are computed. A shared segment this request computed in full
   is stored (its KV in this request's context, keys turned to canonical positions): later readers
   reuse it. One that crosses past the claimed rows (into the prompt's last token) is computed

@@ -67,12 +67,26 @@ class RecoverySpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: Literal["none", "full", "kv_deviation", "first_k", "random"] = Field(
+    # kmesh/recovery/policies.py: POLICIES (a test keeps them the same).
+    policy: Literal[
+        "none",
+        "full",
+        "kv_deviation",
+        "first_k",
+        "random",
+        "query",
+        "first_k+kv_deviation",
+        "first_k+query",
+    ] = Field(
         default="full",
         description="Which reused tokens are recomputed: `full` all of them (exact up to float "
         "rounding); `kv_deviation` those whose keys at `check_layer` deviate most from the "
         "reused ones (CacheBlend); `first_k` the first ones of every reused segment (EPIC); "
-        "`random` random ones; `none` none. Every policy but `full` is approximate.",
+        "`query` those the prompt's own new tokens (its instruction and question after the "
+        "reused ones) attend to most at `check_layer` (ProphetKV; a region without new tokens "
+        "gets `first_k`'s choice); `first_k+kv_deviation` and `first_k+query` half of the "
+        "budget (rounded up) as `first_k`, the rest by the other rule among the remaining "
+        "ones; `random` random ones; `none` none. Every policy but `full` is approximate.",
     )
     ratio: float = Field(
         default=0.3,
@@ -89,17 +103,19 @@ class RecoverySpec(BaseModel):
     check_layer: int | None = Field(
         default=None,
         ge=1,
-        description="The layer whose keys `kv_deviation` and the gate compare (layer 0 cannot "
-        "deviate; below the model's layers). Null: the model's default, layer 1, or on a model "
-        "with sliding-window layers its first global layer (5 on Gemma 3).",
+        description="The layer whose keys `kv_deviation` and the gate compare, and whose "
+        "attention `query` measures (layer 0 cannot deviate; below the model's layers). Null: "
+        "the model's default, layer 1, or on a model with sliding-window layers its first "
+        "global layer (5 on Gemma 3).",
     )
     # kmesh/recovery/recover.py: GATE_SAMPLE_MAX.
     gate_sample: float = Field(
         default=0.125,
         gt=0.0,
         le=1.0,
-        description="Share of the reused tokens the gate checks when the policy scores none "
-        "(ratio 0, `first_k`, `random`, `none`); below 1.0, at most 64 per region.",
+        description="Share of the reused tokens the gate checks when the policy needs no "
+        "deviation of every one (ratio 0, or any policy but `kv_deviation` and "
+        "`first_k+kv_deviation`); below 1.0, at most 64 per region.",
     )
     round: RoundSpec | None = Field(
         default=None,

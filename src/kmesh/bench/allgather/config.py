@@ -11,10 +11,11 @@ from typing import Any
 
 from kmesh.compute.config import ModelConfig
 from kmesh.errors import InvalidRequestError
+from kmesh.recovery.check_layer import check_layer_for
 from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.recovery.policies import POLICIES
 from kmesh.recovery.quality import resolve_quality
-from kmesh.recovery.recover import RecoveryConfig, check_layer_for
+from kmesh.recovery.recover import RecoveryConfig
 from kmesh.state.recovery_meta import RecoverySpec, RoundSpec, check_quality_target
 
 STRATEGIES = ("full", "prefix", "per_request", "collective")
