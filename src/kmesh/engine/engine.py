@@ -22,6 +22,7 @@ from kmesh.engine.adapters import Adapters
 from kmesh.engine.checks import check_request
 from kmesh.engine.generation import finish_reason, request_output, sample_into
 from kmesh.engine.kv_manager import KVCacheManager
+from kmesh.engine.prompt_logprobs import take_held
 from kmesh.engine.request import Request, RequestOutput, TopLogprobs
 from kmesh.engine.retained import RetainedStates
 from kmesh.engine.runner import ModelRunner
@@ -294,6 +295,7 @@ class Engine:
         seq = Sequence.from_request(
             request, parent.token_ids, self.adapters.fork_use(request, parent)
         )
+        take_held(seq, parent)
         if len(seq.token_ids) >= self.config.max_position:
             # The parent's tokens and the fork's own fill the context: nothing to generate.
             seq.finish_reason = "length"

@@ -58,4 +58,5 @@ def request_output(seq: Sequence) -> RequestOutput:
         finish_reason=seq.finish_reason,
         stats=seq.stats,
         logits=tuple(seq.output_logits) if seq.request.keep_logits else None,
+        prompt_logprobs=None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs),
     )

@@ -13,6 +13,8 @@ from kmesh.state.request_meta import KMeshParams
 MAX_TOP_LOGPROBS = 20
 # (token id, natural-log probability), most likely first.
 TopLogprobs = tuple[tuple[int, float], ...]
+# Per prompt position: {token id: natural-log probability}, or None where not computed.
+PromptLogprobs = tuple[dict[int, float] | None, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,10 @@ class SamplingParams:
     # Per output token, the log-probabilities of this many most likely tokens are kept too
     # (RequestOutput.top_logprobs; the chosen token's are always kept).
     top_logprobs: int = 0
+    # None: none. k: at each prompt position whose previous row this request computes, the
+    # log-probabilities of the k most likely tokens and of the prompt's own token there
+    # (RequestOutput.prompt_logprobs; engine/prompt_logprobs.py), as vLLM's.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -62,6 +68,11 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be None (none) or in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.prompt_logprobs}"
             )
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(
@@ -139,3 +150,9 @@ class RequestOutput:
     stats: RequestStats
     # With keep_logits: the float32 logits [vocab] each output token was sampled from.
     logits: tuple[torch.Tensor, ...] | None = None
+    # With params.prompt_logprobs k: one entry per token of Request.prompt_ids (for a fork, the
+    # branch's own tokens, after the parent's), the distribution of that token given all before
+    # it: the k most likely tokens' log-probabilities and the token's own. None where this
+    # request did not compute the row before: position 0 (a fork's first token has its
+    # parent's held logits), prefix hits, restored or recovered rows (engine/prompt_logprobs.py).
+    prompt_logprobs: PromptLogprobs | None = None

@@ -6,6 +6,7 @@ from dataclasses import asdict
 import torch
 
 from kmesh.compute.executor import Executor, SequenceInput
+from kmesh.engine.prompt_logprobs import collect
 from kmesh.engine.scheduler import ScheduledBatch
 from kmesh.engine.sequence import Sequence
 from kmesh.kv.kv_cache import PagedContext, PagedKVCache
@@ -31,7 +32,8 @@ class ModelRunner:
 
     def step(self, batch: ScheduledBatch) -> torch.Tensor:
         """Do the batch's block copies, fill the rows recovery claims, compute every sequence's
-        pending tokens, store their KV.
+        pending tokens, store their KV, and collect the prompt log-probabilities of the
+        sequences that ask for them (their other rows' logits, only then).
 
         Returns the next-token logits after each sequence's last token, [len(batch.seqs), vocab].
         """
@@ -41,8 +43,10 @@ class ModelRunner:
         shared = self._shared_prefixes(batch.seqs)
         inputs = []
         slots = []
+        starts = []
         for seq in batch.seqs:
             start, end = seq.num_computed, len(seq.token_ids)
+            starts.append(start)
             prefix, num_shared = shared.get(id(seq), (None, 0))
             context = None
             if start > num_shared:
@@ -66,8 +70,9 @@ class ModelRunner:
                 torch.cat([out.k[layer] for out in outputs]),
                 torch.cat([out.v[layer] for out in outputs]),
             )
-        for seq in batch.seqs:
+        for seq, start, out in zip(batch.seqs, starts, outputs, strict=True):
             seq.num_computed = len(seq.token_ids)
+            collect(seq, start, out.hidden, self.executor.logits)
         return self.executor.logits(torch.stack([out.hidden[-1] for out in outputs]))
 
     def _recover(self, seqs: list[Sequence]) -> None:

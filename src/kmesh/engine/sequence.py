@@ -41,6 +41,9 @@ class Sequence:
     # Per output token when params.top_logprobs > 0 (else empty).
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     output_logits: list[torch.Tensor] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per token of the request's own prompt, filled as
+    # rows are computed (engine/prompt_logprobs.py); None when not asked.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Set when generation ended; a retained sequence still computes its last token after it.
     finish_reason: str | None = None
     # Next-token logits after the last token, kept while retained (forks sample from them).
@@ -76,6 +79,8 @@ class Sequence:
             generator=generator,
         )
         seq.stats.prompt_tokens = len(token_ids)
+        if request.params is not None and request.params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(request.prompt_ids)
         return seq
 
     @property
