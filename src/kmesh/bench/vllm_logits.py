@@ -1,5 +1,6 @@
-"""The first generated position's full distribution from a vLLM output, as logits for
-kmesh.bench.quality (vLLM returns log-probabilities; log_softmax of them is themselves)."""
+"""Requests to vLLM with KMeshConnector from the benches, and the first generated position's
+full distribution from an output, as logits for kmesh.bench.quality (vLLM returns
+log-probabilities; log_softmax of them is themselves)."""
 
 from typing import Any
 
@@ -26,3 +27,15 @@ def first_token_logits(output: Any, vocab_size: int) -> torch.Tensor:
     keep = ids < vocab_size
     row[ids[keep]] = torch.tensor(logprobs.logprobs[lo:hi])[keep]
     return row
+
+
+def generate(llm: Any, requests: list[tuple[dict, dict | None]], params: Any) -> list[Any]:
+    """vLLM's outputs of (prompt, kmesh object or None) requests, each with `params` and its
+    kmesh object as the connector's kv_transfer_params."""
+    per_request = []
+    for _, kmesh in requests:
+        p = params.clone()
+        if kmesh is not None:
+            p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
+        per_request.append(p)
+    return list(llm.generate([p for p, _ in requests], per_request, use_tqdm=False))

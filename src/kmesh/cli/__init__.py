@@ -27,6 +27,7 @@ from kmesh.cli import (
     bench_restore,
     bench_round,
     bench_signals,
+    bench_tasks,
     bench_vllm_family,
     demo,
     generate,
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_agents,
         bench_signals,
         bench_calibrate,
+        bench_tasks,
     ):
         command.register(benches)
     adapters.register(commands)

@@ -48,7 +48,7 @@ from kmesh.bench.allgather.config import STRATEGIES, SWEEP_RATIOS, AllGatherBenc
 from kmesh.bench.allgather.frontier import run_frontier
 from kmesh.bench.allgather.strategy_requests import strategy_request
 from kmesh.bench.allgather.summary import StrategyRun, strategies_report, summary_of, sweep_row
-from kmesh.bench.vllm_logits import first_token_logits, first_token_params
+from kmesh.bench.vllm_logits import first_token_logits, first_token_params, generate
 from kmesh.recovery.collective import MASTER_CHOICES
 from kmesh.workloads.allgather import (
     AgentTurn,
@@ -233,13 +233,7 @@ class VllmAllGatherBench:
         )
 
     def _generate(self, requests: list[tuple[dict, dict | None]], params: Any) -> list[Any]:
-        per_request = []
-        for _, kmesh in requests:
-            p = params.clone()
-            if kmesh is not None:
-                p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
-            per_request.append(p)
-        return list(self.llm.generate([p for p, _ in requests], per_request, use_tqdm=False))
+        return generate(self.llm, requests, params)
 
     def _request(
         self, name: str, r: int, turn: AgentTurn, cfg: AllGatherBenchConfig, variant: str
