@@ -45,7 +45,7 @@ def register(benches: Commands) -> None:
     add_config_flag(agents, default, "agents", "agent counts, comma-separated")
     add_config_flag(agents, default, "rounds")
     add_config_flag(agents, default, "seed")
-    add_config_flag(agents, default, "order", "allgather's orders", choices=ORDERS)
+    add_config_flag(agents, default, "order", "allgather's and tasks' orders", choices=ORDERS)
     agents.add_argument(
         "--slo-ttft",
         type=float,

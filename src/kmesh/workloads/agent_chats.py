@@ -20,6 +20,13 @@ loop): `answer(texts)` records a round's outputs, and the next round's calls rea
   Agent a's turn is sent `stagger_s * (a + u)` seconds into the round (u seeded in [0, 1)).
 - mixed: both on one server, half the agents each (at least 2 All-Gather agents and 1
   trajectory), plus agents // 4 plain one-off chats per round (no history).
+- tasks (workloads/tasks.py's council with ground truth, as chat): allgather's calls, ids and
+  reading orders, with tasks.SYSTEM, tasks.persona_text(a) and no briefing. What every agent
+  reads of round q is that round's composed messages (task_facts: "NAME said: ...", "out-q-k"),
+  never the replies, so the facts stay known; the ask is tasks.ask_text (from round 1 on: write
+  the record of round r - 1). The replies are what bench/agents/task_scores.py scores. The code
+  words are WORDS as is: only the task bench's forced choice needs them one token each, and
+  nothing here scores them.
 
 Each call's messages minus its last (the instruction or the tool's result still to answer) stay
 a prefix of that agent's next call: the reuse prefix caching gets.
@@ -31,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kmesh.errors import InvalidRequestError
-from kmesh.workloads import trajectory
-from kmesh.workloads.allgather import SYSTEM, AllGatherConfig, order_for, persona_text
+from kmesh.workloads import allgather, tasks, trajectory
+from kmesh.workloads.allgather import AllGatherConfig, order_for
 
-WORKLOADS = ("allgather", "trajectory", "mixed")
+WORKLOADS = ("allgather", "trajectory", "mixed", "tasks")
 BRIEFING = (
     "Briefing from the town clerk. The grant arrives in March and must be committed by the end "
     "of June; money not committed by then goes back to the state. The council has already "
@@ -67,7 +74,7 @@ class AgentCall:
     """One request of one agent in one round."""
 
     agent: str  # like "allgather-3", "trajectory-0", "plain-2-1"
-    kind: str  # allgather, trajectory or plain
+    kind: str  # allgather (the tasks workload's council too), trajectory or plain
     messages: tuple[ChatMessage, ...]
     # Seconds after the round's start at which it is sent.
     delay_s: float
@@ -92,20 +99,31 @@ class AgentsConfig:
             raise InvalidRequestError(f"--workload must be one of {', '.join(WORKLOADS)}")
         if self.agents < 2 or self.rounds < 1:
             raise InvalidRequestError("the agents bench needs --agents >= 2 and --rounds >= 1")
+        if self.workload == "tasks":
+            self.tasks_config()  # its own checks: a name per agent, a round with a record to write
         if self.context_tokens < 16 or self.tool_tokens < 16 or self.stagger_s < 0:
             raise InvalidRequestError(
                 "--context-tokens and --tool-tokens must be at least 16, --stagger at least 0"
             )
 
+    def tasks_config(self) -> tasks.TasksConfig:
+        """The tasks workload's council (its facts are drawn from it)."""
+        return tasks.TasksConfig(self.agents, self.rounds, self.order, self.seed)
+
     @property
     def split(self) -> tuple[int, int, int]:
         """(All-Gather agents, trajectory agents, plain chats per round)."""
-        if self.workload == "allgather":
+        if self.workload in ("allgather", "tasks"):
             return self.agents, 0, 0
         if self.workload == "trajectory":
             return 0, self.agents, 0
         gather = max(2, self.agents // 2)
         return gather, max(1, self.agents - gather), self.agents // 4
+
+
+def task_facts(cfg: AgentsConfig) -> list[list[tasks.Said]]:
+    """The tasks workload's facts, by round and member (module docstring: the code words)."""
+    return [tasks.round_facts(cfg.tasks_config(), r, tasks.WORDS) for r in range(cfg.rounds)]
 
 
 class AgentChats:
@@ -117,6 +135,7 @@ class AgentChats:
         gather, agents, _ = cfg.split
         self._order = AllGatherConfig(max(2, gather), cfg.rounds, cfg.order, cfg.seed)
         self._said: list[list[ChatMessage]] = []  # per earlier round, by author
+        self._facts = task_facts(cfg) if cfg.workload == "tasks" else []
         self._contexts = [
             ChatMessage(
                 "user",
@@ -149,33 +168,37 @@ class AgentChats:
 
     def _gather_call(self, a: int) -> AgentCall:
         r = self.round
-        messages = [
-            ChatMessage("system", SYSTEM, "system", True),
-            ChatMessage("user", persona_text(a), f"persona-{a}", False),
-            ChatMessage("user", BRIEFING, "briefing", True),
-        ]
+        if self._facts:
+            messages = [
+                ChatMessage("system", tasks.SYSTEM, "system", True),
+                ChatMessage("user", tasks.persona_text(a), f"persona-{a}", False),
+            ]
+            ask = tasks.ask_text(r, a)
+        else:
+            messages = [
+                ChatMessage("system", allgather.SYSTEM, "system", True),
+                ChatMessage("user", allgather.persona_text(a), f"persona-{a}", False),
+                ChatMessage("user", BRIEFING, "briefing", True),
+            ]
+            ask = f"Round {r + 1}. Member {a + 1}, give your proposal in one or two sentences."
         for q, said in enumerate(self._said):
             messages += [said[k] for k in order_for(self._order, q, a)]
-        ask = f"Round {r + 1}. Member {a + 1}, give your proposal in one or two sentences."
         messages.append(ChatMessage("user", ask, f"ask-{r}-{a}", False))
         outputs = tuple(m.id for m in self._said[-1]) if self._said else ()
         return AgentCall(f"allgather-{a}", "allgather", tuple(messages), 0.0, outputs)
 
     def answer(self, texts: dict[str, str]) -> None:
-        """Record this round's outputs, by call agent name; the next round follows."""
+        """Record this round's outputs, by call agent name (tasks: its composed messages
+        instead); the next round follows."""
         gather, agents, _ = self.cfg.split
         r = self.round
-        if gather:
+        if self._facts:
+            said = [s.message for s in self._facts[r]]
+        else:
+            said = [f"Member {k + 1} said: {texts[f'allgather-{k}']}" for k in range(gather)]
+        if said:
             self._said.append(
-                [
-                    ChatMessage(
-                        "user",
-                        f"Member {k + 1} said: {texts[f'allgather-{k}']}",
-                        f"out-{r}-{k}",
-                        True,
-                    )
-                    for k in range(gather)
-                ]
+                [ChatMessage("user", text, f"out-{r}-{k}", True) for k, text in enumerate(said)]
             )
         for a in range(agents):
             result = trajectory.tool_result(self.cfg.seed, a, r, self.cfg.tool_tokens, self._count)

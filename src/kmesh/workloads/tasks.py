@@ -20,6 +20,8 @@ strategy has just placed), each a continuation of the turn's prompt inside the a
 - lookup: "Record of round r: NAME's code word is" (LOOKUPS members per turn, drawn from the
   seed): forced choice over the round's code words by their log-likelihood (one token each);
 - aggregate: "Record of round r: the vote was won by": forced choice over OPTIONS.
+`kmesh bench agents --workload tasks` sends these messages as chat (workloads/agent_chats.py) and
+scores the replies' records (bench/agents/task_scores.py).
 """
 
 import random
@@ -114,6 +116,11 @@ class Said:
     vote: str
     text: str
 
+    @property
+    def message(self) -> str:
+        """What the others read of it: "NAME said: TEXT"."""
+        return f"{NAMES[self.member]} said: {self.text}"
+
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -173,6 +180,20 @@ def round_facts(cfg: TasksConfig, r: int, words: Sequence[str]) -> list[Said]:
     return said
 
 
+def persona_text(agent: int) -> str:
+    return f"You are {NAMES[agent]}, member {agent + 1} of the council."
+
+
+def ask_text(r: int, agent: int) -> str:
+    """Round r's instruction to `agent`: from round 1 on, the record of round r - 1 first."""
+    task = (
+        "give your proposal."
+        if r == 0
+        else f"write the record of round {r}, then give your proposal."
+    )
+    return f"Round {r + 1}. {NAMES[agent]}, {task}"
+
+
 def winner(said: Sequence[Said]) -> str:
     votes = [s.vote for s in said]
     return max(OPTIONS, key=votes.count)
@@ -201,16 +222,13 @@ class TaskCouncil:
         chat, cfg = self.chat, self.cfg
         system = chat.opening_segment("system", SYSTEM, Role.SHARED, "system")
         personas = [
-            chat.message_segment(
-                "user", f"You are {NAMES[a]}, member {a + 1} of the council.", Role.PRIVATE,
-                f"persona-{a}",
-            )
+            chat.message_segment("user", persona_text(a), Role.PRIVATE, f"persona-{a}")
             for a in range(cfg.agents)
-        ]  # fmt: skip
+        ]
         said = [
             [
                 Segment(
-                    chat.message("user", f"{NAMES[s.member]} said: {s.text}"),
+                    chat.message("user", s.message),
                     Role.SHARED,
                     output_segment_id(r, s.member),
                     s.text,
@@ -226,11 +244,7 @@ class TaskCouncil:
                 segments = [system, personas[a]]
                 for q in range(r):
                     segments += [said[q][k] for k in order_for(cfg.council, q, a)]
-                ask = f"Round {r + 1}. {NAMES[a]}, " + (
-                    "give your proposal."
-                    if r == 0
-                    else f"write the record of round {r}, then give your proposal."
-                )
+                ask = ask_text(r, a)
                 segments.append(
                     Segment(
                         chat.message("user", ask) + chat.generation_prompt(),

@@ -3,15 +3,17 @@ rounds, every strategy, one run shared by the module (about 30 s); the request b
 summary's rules without a server."""
 
 import pytest
+from rich.console import Console
 
 from kmesh.bench.agents.config import STRATEGIES, AgentsBenchConfig
-from kmesh.bench.agents.report import plot
+from kmesh.bench.agents.report import plot, print_report
 from kmesh.bench.agents.requests import RunNames, request_body
 from kmesh.bench.agents.run import kmesh_serve_options, run_agents_bench
 from kmesh.bench.agents.summary import _kv_pages, _max_under_slo, agents_report
 from kmesh.cli import build_parser
 from kmesh.errors import InvalidRequestError
-from kmesh.workloads.agent_chats import AgentChats
+from kmesh.workloads.agent_chats import AgentChats, AgentsConfig, task_facts
+from kmesh.workloads.tasks import NAMES
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +157,56 @@ def test_several_passes_report_medians_of_each_pass_against_its_own_plain_vllm()
     assert exact["cpu_s_total"] == 12 and exact["ttft_p99_s"] == 3.5  # 3.5, 3, 4.5
 
 
+TASK_FIELDS = (
+    "task_items",
+    "task_accuracy",
+    "task_retention",
+    "task_retention_ci",
+    "task_agreement",
+)
+
+
+def tasks_report(workload: str) -> dict:
+    """The report of a 2-agent, 2-round pass whose agent "0" writes round 0's record right
+    under vllm and says "yes" under kmesh_exact; agent "1" says "no" under both."""
+    [said, _] = task_facts(AgentsConfig("tasks", 2, rounds=2))
+    record = " ".join(f"{NAMES[s.member]} proposes {s.number}." for s in said)
+    cfg = AgentsBenchConfig(workload=workload, agents=(2,), rounds=2, engine="reference")
+    runs = {"vllm": {2: fake_run([5, 5], record)}, "kmesh_exact": {2: fake_run([4, 4])}}
+    return agents_report(cfg, [runs])
+
+
+def test_the_tasks_workload_reports_task_accuracy_against_vllms_per_strategy():
+    strategies = tasks_report("tasks")["strategies"]
+    plain, exact = (strategies[s]["by_agents"]["2"] for s in ("vllm", "kmesh_exact"))
+    assert plain["task_items"] == exact["task_items"] == 4  # round 1: 2 agents x 2 members
+    assert (plain["task_accuracy"], plain["task_retention"], plain["task_agreement"]) == (
+        0.5,
+        1.0,
+        1.0,
+    )
+    assert (exact["task_accuracy"], exact["task_retention"], exact["task_agreement"]) == (
+        0.0,
+        0.0,
+        0.5,
+    )
+
+
+def test_other_workloads_report_no_task_figures():
+    for figures in (s["by_agents"]["2"] for s in tasks_report("allgather")["strategies"].values()):
+        assert not set(TASK_FIELDS) & set(figures)
+
+
+def test_the_table_has_the_task_columns_for_the_tasks_workload_only():
+    def printed(workload: str) -> str:
+        console = Console(record=True, width=400)
+        print_report(tasks_report(workload), console)
+        return console.export_text()
+
+    assert "task accuracy" in printed("tasks") and "0.50 of 4" in printed("tasks")
+    assert "task accuracy" not in printed("allgather")
+
+
 def test_both_vllm_servers_get_the_same_cache_and_dtype():
     cfg = AgentsBenchConfig(kv_cache="2G", dtype="bfloat16")
     options = kmesh_serve_options(cfg, "/s.sock")
@@ -184,6 +236,10 @@ def test_a_bench_it_cannot_run_is_refused_with_what_to_change():
         AgentsBenchConfig(repeats=0)
     with pytest.raises(InvalidRequestError, match="--dtype must be one of float32, bfloat16"):
         AgentsBenchConfig(dtype="float16")
+    with pytest.raises(InvalidRequestError, match="--agents must be between 2 and 24"):
+        AgentsBenchConfig(workload="tasks", agents=(4, 32))
+    with pytest.raises(InvalidRequestError, match="--rounds must be at least 2"):
+        AgentsBenchConfig(workload="tasks", rounds=1)
 
 
 def test_the_plot_draws_makespan_and_ttft_per_strategy_with_the_slo(tmp_path):

@@ -72,7 +72,8 @@ class AgentsBenchConfig:
             raise InvalidRequestError(f"--dtype must be one of {', '.join(DTYPES)}")
         parse_size(self.kv_cache, "--kv-cache")
         parse_size(self.store_capacity, "--store-capacity")
-        self.chats(min(self.agents))  # the workload's own checks
+        for n in self.agents:
+            self.chats(n)  # the workload's own checks (tasks: a name per agent)
 
     @property
     def computed_in(self) -> str:

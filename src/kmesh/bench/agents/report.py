@@ -23,6 +23,8 @@ HEADER = (
     "identical to vllm",
     "failures",
 )
+# The tasks workload's columns, after HEADER's (bench/agents/task_scores.py).
+TASK_HEADER = ("task accuracy", "retention [95% CI]", "agreement with vllm")
 
 
 def _title(cfg: dict[str, Any]) -> str:
@@ -39,8 +41,12 @@ def _engine(cfg: dict[str, Any]) -> str:
     return f"vllm in {cfg['dtype']}"
 
 
-def _rows(strategies: dict[str, Any]) -> list[list[str]]:
-    """A row per strategy and agent count, in HEADER's order."""
+def _header(cfg: dict[str, Any]) -> tuple[str, ...]:
+    return HEADER + TASK_HEADER if cfg["workload"] == "tasks" else HEADER
+
+
+def _rows(strategies: dict[str, Any], cfg: dict[str, Any]) -> list[list[str]]:
+    """A row per strategy and agent count, in `_header(cfg)`'s order."""
     return [
         [
             name,
@@ -54,15 +60,26 @@ def _rows(strategies: dict[str, Any]) -> list[list[str]]:
             " / ".join("-" if m is None else f"{m:.0f}" for m in f["masters_built"]),
             " / ".join(f"{s:.2f}" for s in f["identical_to_vllm"]),
             str(len(f["failures"])),
+            *(_task_cells(f) if cfg["workload"] == "tasks" else ()),
         ]
         for name, run in strategies.items()
         for n, f in run["by_agents"].items()
     ]
 
 
+def _task_cells(f: dict[str, Any]) -> tuple[str, str, str]:
+    interval = f["task_retention_ci"]
+    ci = "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+    return (
+        f"{f['task_accuracy']:.2f} of {f['task_items']}",
+        _number(f["task_retention"]) + ci,
+        f"{f['task_agreement']:.2f}",
+    )
+
+
 def print_report(result: dict[str, Any], console: Console) -> None:
-    strategies = result["strategies"]
-    console.print(report_table(HEADER, _rows(strategies), _title(result["config"])))
+    strategies, cfg = result["strategies"], result["config"]
+    console.print(report_table(_header(cfg), _rows(strategies, cfg), _title(cfg)))
     held = ", ".join(f"{name} {run['max_agents_under_slo']}" for name, run in strategies.items())
     console.print(f"agents held under the SLO: {held}")
     if result["config"]["repeats"] > 1:

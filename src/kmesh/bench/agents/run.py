@@ -1,9 +1,11 @@
 """`kmesh bench agents`: agents served end to end over the OpenAI chat API, as users feel it.
 
-The workloads are workloads/agent_chats.py's (allgather, trajectory, mixed), closed loop: each
-round's messages come from the server under test. Every call is a streamed, greedy chat request
-carrying what a framework sends (model, messages, max_tokens, temperature, a cache_salt per run)
-plus, where the strategy declares, the `kmesh` object (bench/agents/requests.py). Strategies:
+The workloads are workloads/agent_chats.py's (allgather, trajectory, mixed, tasks), closed loop:
+each round's messages come from the server under test (tasks: the agents read composed messages
+whose facts are known, and the replies are scored: bench/agents/task_scores.py). Every call is a
+streamed, greedy chat request carrying what a framework sends (model, messages, max_tokens,
+temperature, a cache_salt per run) plus, where the strategy declares, the `kmesh` object
+(bench/agents/requests.py). Strategies:
 - vllm: vLLM's own OpenAI server with prefix caching (`kmesh vllm serve`), the same engine
   settings and KV cache (with `--engine reference`: `kmesh serve --engine reference`, no
   declarations);
@@ -15,11 +17,11 @@ time to first token of every call (p50, p99 in the JSON), the server's counters 
 and recovered tokens, round masters built: bench/server_metrics.py) read before and after it, the
 KV cache's use at its end and at its peak (sampled every SAMPLE_S), the store's bytes, failures
 (non-200, transport, a stream without [DONE]), and the share of the agents' messages identical to
-the vllm strategy's. `max_agents_under_slo`: the largest agent count such that it and every
-smaller one held TTFT p99 (over all its rounds' calls) under the SLO. With `serial_check`,
-vllm's and kmesh_exact's rounds at the largest count up to SERIAL_CHECK_AGENTS are sent again one
-call at a time, under fresh salts (and families), and their texts compared with the concurrent
-ones.
+the vllm strategy's; with tasks, the replies' task accuracy, alone and against vllm's.
+`max_agents_under_slo`: the largest agent count such that it and every smaller one held TTFT p99
+(over all its rounds' calls) under the SLO. With `serial_check`, vllm's and kmesh_exact's rounds
+at the largest count up to SERIAL_CHECK_AGENTS are sent again one call at a time, under fresh
+salts (and families), and their texts compared with the concurrent ones.
 With `repeats` above 1 the whole pass runs again, servers started afresh each time, so that a
 strategy's makespan can be compared with plain vLLM's in the same pass (bench/agents/summary.py).
 """

@@ -8,6 +8,9 @@ strategies.<name>.by_agents.<n>: makespan_s (the rounds' sum) and round_makespan
     cpu_s per round: CPU seconds of each server process (and the store's) during the round,
     and their total.
     over_vllm: makespan_s / vllm's makespan_s at the same count, in the same pass.
+    The tasks workload only: task_items, task_accuracy, task_retention, task_retention_ci and
+    task_agreement, the replies' records against the facts and against vllm's replies
+    (bench/agents/task_scores.py).
 strategies.<name>.max_agents_under_slo: the largest agent count that, with every smaller
     one, held TTFT p99 under the SLO (0: none did).
 
@@ -21,11 +24,13 @@ import statistics
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from kmesh.bench.agents.task_scores import task_scores
 from kmesh.bench.common import hardware, quantile
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.loader import resolve_model_dir
 from kmesh.store.server import parse_size
 from kmesh.vllm.config import DEFAULT_BLOCK_SIZE
+from kmesh.workloads.agent_chats import task_facts
 
 if TYPE_CHECKING:
     from kmesh.bench.agents.config import AgentsBenchConfig
@@ -47,6 +52,9 @@ def agents_report(cfg: "AgentsBenchConfig", repeats: list[Runs]) -> dict[str, An
                 for runs in repeats[1:]
             ]
             figures[str(n)] = _medians(_figures(run, first["vllm"][n], pages), passes)
+            if cfg.workload == "tasks":
+                texts = [[r["texts"] for r in x["rounds"]] for x in (run, first["vllm"][n])]
+                figures[str(n)] |= task_scores(task_facts(cfg.chats(n)), *texts)
         strategies[name] = {
             "by_agents": figures,
             "max_agents_under_slo": _max_under_slo(figures, cfg.slo_ttft_s),
