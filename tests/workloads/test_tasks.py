@@ -192,13 +192,13 @@ def test_forced_items_read_the_members_numbers_in_reading_and_member_order(
     said = council.rounds[r - 1]
     for a in range(agents):
         orders = {
-            "record_reading": order_for(cfg.council, r - 1, a),
-            "record_members": list(range(agents)),
+            "record_reading": (order_for(cfg.council, r - 1, a), "Record of round"),
+            "record_members": (list(range(agents)), "Members' record of round"),
         }
-        for task, order in orders.items():
+        for task, (order, head) in orders.items():
             (probe,) = _probes(council, r, a, task)
             record = " ".join(f"{NAMES[k]} proposes {said[k].number} lanterns." for k in order)
-            assert chat.decode(probe.tail) == f"Record of round {r}: {record}"
+            assert chat.decode(probe.tail) == f"{head} {r}: {record}"
             assert [_member(i.key) for i in probe.items] == order
             for item, k in zip(probe.items, order, strict=True):
                 assert item.positions and min(item.positions) >= 1
@@ -224,12 +224,12 @@ def test_choice_items_truth_is_one_of_their_one_token_candidates(tokenizer, chat
         assert len(members) == min(LOOKUPS, agents) == len(set(members))
         for probe, k in zip(lookups, members, strict=True):
             (item,) = probe.items
-            assert chat.decode(probe.tail) == f"Record of round {r}: {NAMES[k]}'s code word is"
+            assert chat.decode(probe.tail) == f"Lookup for round {r}: {NAMES[k]}'s code word is"
             assert item.candidates == tuple(c[0] for c in codes)
             assert item.truth == codes[k] and item.truth[0] in item.candidates
         (aggregate,) = _probes(council, r, a, "aggregate")
         (item,) = aggregate.items
-        assert chat.decode(aggregate.tail) == f"Record of round {r}: the vote was won by"
+        assert chat.decode(aggregate.tail) == f"Vote of round {r}: the vote was won by"
         assert item.candidates == tuple(o[0] for o in options)
         assert item.truth == chat.tokens(f" {winner(said)}") and item.truth[0] in item.candidates
 
@@ -241,7 +241,7 @@ def test_free_items_name_the_members_and_their_numbers(tokenizer, chat):
         said = council.rounds[r - 1]
         for a in range(6):
             (probe,) = _probes(council, r, a, "record_free")
-            assert chat.decode(probe.tail) == f"Record of round {r}:"
+            assert chat.decode(probe.tail) == f"Minutes of round {r}:"
             assert [(i.name, i.truth) for i in probe.items] == [
                 (NAMES[s.member], str(s.number)) for s in said
             ]
@@ -313,3 +313,17 @@ def test_a_council_needs_one_one_token_code_word_per_member(tokenizer):
     assert council.words == list(WORDS[:4])
     with pytest.raises(InvalidRequestError, match="one-token"):
         TaskCouncil(TasksConfig(agents=5), SplittingTokenizer(tokenizer, split))
+
+
+@pytest.mark.model
+def test_no_two_probes_of_a_turn_start_alike(tokenizer):
+    """A probe's tail shares no page with another probe's of its turn (an engine's prefix cache
+    would give it rows its own request must compute)."""
+    council = TaskCouncil(TasksConfig(agents=4, rounds=3, seed=2), tokenizer)
+    for r in (1, 2):
+        for a in range(4):
+            probes = council.probes(r, a)
+            # Lookups may share their start: a choice is read after the whole tail, from the
+            # row the engine computes last whatever it cached.
+            firsts = {p.task: p.tail[0] for p in probes}
+            assert len(set(firsts.values())) == len(firsts)

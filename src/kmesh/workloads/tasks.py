@@ -14,12 +14,16 @@ strategy has just placed), each a continuation of the turn's prompt inside the a
 - record_reading: "Record of round r: NAME proposes NN lanterns. ..." in a's reading order, teacher
   forced: an item per member, right when the top-1 token at each of its number's tokens is the
   truth;
-- record_members: the same record in member order (another order than a read them);
-- record_free: "Record of round r:" and greedy generation; an item per member, right when the
+- record_members: "Members' record of round r: ..." in member order (another order than a
+  read them);
+- record_free: "Minutes of round r:" and greedy generation; an item per member, right when the
   number extracted after "NAME proposes" is the truth;
-- lookup: "Record of round r: NAME's code word is" (LOOKUPS members per turn, drawn from the
+- lookup: "Lookup for round r: NAME's code word is" (LOOKUPS members per turn, drawn from the
   seed): forced choice over the round's code words by their log-likelihood (one token each);
-- aggregate: "Record of round r: the vote was won by": forced choice over OPTIONS.
+- aggregate: "Vote of round r: the vote was won by": forced choice over OPTIONS.
+Each task's tail starts with a word of its own, so that no probe's tail shares a whole page with
+another probe's of the turn: an engine's prefix cache would otherwise give one probe the other's
+rows, and a teacher-forced position needs the row before it computed by its own request.
 `kmesh bench agents --workload tasks` sends these messages as chat (workloads/agent_chats.py) and
 scores the replies' records (bench/agents/task_scores.py).
 """
@@ -261,27 +265,28 @@ class TaskCouncil:
     def probes(self, r: int, a: int) -> tuple[Probe, ...]:
         """Turn (r, a)'s probes on round r - 1's messages."""
         said = self.rounds[r - 1]
-        head = f"Record of round {r}:"
         reading = order_for(self.cfg.council, r - 1, a)
         probes = [
-            self._record("record_reading", r, a, head, [said[k] for k in reading]),
-            self._record("record_members", r, a, head, list(said)),
+            self._record(
+                "record_reading", r, a, f"Record of round {r}:", [said[k] for k in reading]
+            ),
+            self._record("record_members", r, a, f"Members' record of round {r}:", list(said)),
         ]
         free = tuple(
             Item(f"{r}/{a}/record_free/{s.member}", str(s.number), name=NAMES[s.member])
             for s in said
         )
-        probes.append(Probe("record_free", r, a, self.chat.tokens(head), free))
+        probes.append(Probe("record_free", r, a, self.chat.tokens(f"Minutes of round {r}:"), free))
         codes = tuple(self.chat.tokens(f" {s.word}")[0] for s in said)
         rng = random.Random(f"tasks/{self.cfg.seed}/{r}/{a}/lookup")
         for k in rng.sample(range(self.cfg.agents), min(LOOKUPS, self.cfg.agents)):
             item = Item(f"{r}/{a}/lookup/{k}", (codes[k],), candidates=codes)
-            tail = self.chat.tokens(f"{head} {NAMES[k]}'s code word is")
+            tail = self.chat.tokens(f"Lookup for round {r}: {NAMES[k]}'s code word is")
             probes.append(Probe("lookup", r, a, tail, (item,)))
         options = tuple(self.chat.tokens(f" {o}")[0] for o in OPTIONS)
         truth = options[OPTIONS.index(winner(said))]
         item = Item(f"{r}/{a}/aggregate", (truth,), candidates=options)
-        tail = self.chat.tokens(f"{head} the vote was won by")
+        tail = self.chat.tokens(f"Vote of round {r}: the vote was won by")
         probes.append(Probe("aggregate", r, a, tail, (item,)))
         return tuple(probes)
 
