@@ -251,7 +251,15 @@ def test_free_items_name_the_members_and_their_numbers(tokenizer, chat):
 def test_extract_record_reads_names_and_numbers_and_keeps_the_first_mention():
     assert extract_record("Ann proposes 47 lanterns. Ben proposes 12") == {"Ann": "47", "Ben": "12"}
     assert extract_record("Ann proposes 47 lanterns. Ann proposes 50 lanterns.") == {"Ann": "47"}
-    assert extract_record("Ann said 47. nobody proposes anything") == {}
+    # The model's own formats: the number follows the name on its line.
+    assert extract_record("\n\nAnn, 51 lanterns\nBen: 28\nCara - 9") == {
+        "Ann": "51",
+        "Ben": "28",
+        "Cara": "9",
+    }
+    # A number belongs to the last name before it, not to one on an earlier line.
+    assert extract_record("Ann\nBen proposes 12") == {"Ben": "12"}
+    assert extract_record("Ann proposes nothing. nobody proposes anything") == {}
 
 
 # refusals

@@ -17,7 +17,7 @@ strategy has just placed), each a continuation of the turn's prompt inside the a
 - record_members: "Members' record of round r: ..." in member order (another order than a
   read them);
 - record_free: "Minutes of round r:" and greedy generation; an item per member, right when the
-  number extracted after "NAME proposes" is the truth;
+  first number written after its name (on the same line, before another name) is the truth;
 - lookup: "Lookup for round r: NAME's code word is" (LOOKUPS members per turn, drawn from the
   seed): forced choice over the round's code words by their log-likelihood (one token each);
 - aggregate: "Vote of round r: the vote was won by": forced choice over OPTIONS.
@@ -82,7 +82,9 @@ FILLER = (
     "The bridge keeper lights his own lamp, but it is not enough.",
     "I think we should not repeat the quarrel of the last meeting.",
 )
-RECORD = re.compile(r"([A-Z][a-z]+) proposes (\d+)")
+# A member's number in a generated record: its name, then within a few characters that are
+# neither digits nor the next name's capital ("Ann proposes 47", "Ann: 47", "Ann, 47 lanterns").
+RECORD = re.compile(r"([A-Z][a-z]+)[^0-9A-Z\n]{0,20}?(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
