@@ -3,7 +3,7 @@ under each reuse strategy and budget (bench/tasks/run.py)."""
 
 import argparse
 
-from kmesh.bench.tasks.run import TasksBenchConfig
+from kmesh.bench.tasks.config import TasksBenchConfig
 from kmesh.cli.bench_common import (
     add_bench_options,
     add_config_flag,

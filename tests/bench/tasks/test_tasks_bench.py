@@ -4,8 +4,9 @@ budgets, on the embedded model (bench/tasks/run.py, bench/tasks/reference.py).""
 import pytest
 
 from kmesh.bench.allgather.config import AllGatherBenchConfig
+from kmesh.bench.tasks.config import TasksBenchConfig
 from kmesh.bench.tasks.reference import run_reference_tasks
-from kmesh.bench.tasks.run import EXACT, TasksBenchConfig
+from kmesh.bench.tasks.run import EXACT
 from kmesh.cli import main
 from kmesh.workloads.tasks import KINDS, TasksConfig
 

@@ -17,7 +17,8 @@ from typing import Any
 from kmesh.bench.allgather.closed_loop import computed_of
 from kmesh.bench.allgather.config import AllGatherBenchConfig
 from kmesh.bench.allgather.strategy_requests import strategy_request
-from kmesh.bench.tasks.run import TasksBenchConfig, run_tasks_bench
+from kmesh.bench.tasks.config import TasksBenchConfig
+from kmesh.bench.tasks.run import run_tasks_bench
 from kmesh.bench.tasks.score import ProbeResult
 from kmesh.bench.tasks.vllm import FREE_TOKENS_PER_MEMBER, TOP_K, reduce
 from kmesh.engine.engine import Engine

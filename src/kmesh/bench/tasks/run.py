@@ -23,43 +23,12 @@ from typing import Any, Protocol
 
 from kmesh.bench.allgather.config import AllGatherBenchConfig
 from kmesh.bench.common import hardware
+from kmesh.bench.tasks.config import TasksBenchConfig
 from kmesh.bench.tasks.score import ProbeResult, accuracy, compare
-from kmesh.errors import InvalidRequestError
-from kmesh.recovery.policies import POLICIES
 from kmesh.workloads.allgather import AgentTurn
-from kmesh.workloads.tasks import TASKS, Probe, TasksConfig, TaskTurn
+from kmesh.workloads.tasks import Probe, TasksConfig, TaskTurn
 
 EXACT = ("full", "prefix", "kmesh_exact")
-# Selections measured (the default is collective's and per_request's); each a recovery policy.
-SELECTIONS = ("first_k", "query", "kv_deviation", "first_k+query")
-# Chosen on a sweep of every selection and checked on other seeds, agent counts and a second
-# model (docs/guide/quality.md, "The default selection").
-DEFAULT_SELECTION = "first_k"
-
-
-@dataclass(frozen=True, slots=True)
-class TasksBenchConfig:
-    budgets: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.3)
-    selections: tuple[str, ...] = SELECTIONS
-    default_selection: str = DEFAULT_SELECTION
-    accuracy_gate: float = 0.7
-    tasks: tuple[str, ...] = TASKS
-    per_request: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.budgets or any(not 0.0 <= b < 1.0 for b in self.budgets):
-            raise InvalidRequestError("--budgets must be shares in [0, 1), like 0,0.1,0.2")
-        for selection in (*self.selections, self.default_selection):
-            if selection not in POLICIES or selection in ("none", "full"):
-                raise InvalidRequestError(
-                    f"selection {selection!r} is not a selecting recovery policy; choose from "
-                    f"{', '.join(p for p in POLICIES if p not in ('none', 'full'))}"
-                )
-        unknown = sorted(set(self.tasks) - set(TASKS))
-        if unknown or not self.tasks:
-            raise InvalidRequestError(f"--tasks takes some of {', '.join(TASKS)}; got {unknown}")
-        if not 0.0 <= self.accuracy_gate <= 1.0:
-            raise InvalidRequestError("--accuracy-gate must be between 0 and 1")
 
 
 class TaskEngine(Protocol):

@@ -19,7 +19,8 @@ from typing import Any
 from kmesh.bench.allgather.closed_loop import computed_of
 from kmesh.bench.allgather.config import AllGatherBenchConfig
 from kmesh.bench.allgather.strategy_requests import VANILLA, strategy_request
-from kmesh.bench.tasks.run import TasksBenchConfig, run_tasks_bench
+from kmesh.bench.tasks.config import TasksBenchConfig
+from kmesh.bench.tasks.run import run_tasks_bench
 from kmesh.bench.tasks.score import ProbeResult
 from kmesh.bench.vllm_logits import first_token_logits, first_token_params, generate
 from kmesh.workloads.allgather import AgentTurn
