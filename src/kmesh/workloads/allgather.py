@@ -158,15 +158,7 @@ class Council:
             for past, said in enumerate(self._history):
                 segments += [said[author] for author in order_for(self.cfg, past, a)]
             ask = f"Round {r + 1}. Member {a + 1}, give your proposal in one or two sentences."
-            segments.append(
-                Segment(
-                    chat.message("user", ask) + chat.generation_prompt(),
-                    Role.INSTRUCTION,
-                    f"ask-{r}-{a}",
-                    ask,
-                    "user",
-                )
-            )
+            segments.append(chat.instruction_segment(ask, f"ask-{r}-{a}"))
             prompts.append(SegmentedPrompt.of(segments))
         return prompts
 

@@ -32,6 +32,11 @@ class ChatML:
         start = tuple(self._tokenizer("", add_special_tokens=True)["input_ids"])
         return Segment(start + self.message(role, content), kind, segment_id, content, role)
 
+    def instruction_segment(self, content: str, segment_id: str) -> Segment:
+        """A user's instruction closing a prompt, with the generation prompt after it."""
+        tokens = self.message("user", content) + self.generation_prompt()
+        return Segment(tokens, Role.INSTRUCTION, segment_id, content, "user")
+
     def generation_prompt(self, role: str = "assistant") -> tuple[int, ...]:
         """The start of a reply by `role` (the template's generation prompt for "assistant")."""
         return self.tokens(f"<|im_start|>{role}\n")

@@ -251,15 +251,7 @@ class TaskCouncil:
                 for q in range(r):
                     segments += [said[q][k] for k in order_for(cfg.council, q, a)]
                 ask = ask_text(r, a)
-                segments.append(
-                    Segment(
-                        chat.message("user", ask) + chat.generation_prompt(),
-                        Role.INSTRUCTION,
-                        f"ask-{r}-{a}",
-                        ask,
-                        "user",
-                    )
-                )
+                segments.append(chat.instruction_segment(ask, f"ask-{r}-{a}"))
                 turn = AgentTurn(r, a, SegmentedPrompt.of(segments), (), "")
                 turns.append(TaskTurn(turn, self.probes(r, a) if r else ()))
         return turns
