@@ -29,6 +29,7 @@ from kmesh.vllm.recovery_support import recovery_unavailable
 from kmesh.vllm.scheduler_side import SchedulerSide
 from kmesh.vllm.worker_side import WorkerSide
 from tests.store.helpers import wait_until
+from tests.vllm.helpers import cpu_attention
 
 BLOCK = 4
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -464,7 +465,7 @@ def worker(store, page_shape=PAGE_SHAPE) -> tuple[WorkerSide, list[torch.Tensor]
     layers = [torch.randn(6, *page_shape) for _ in LAYERS]
     layout = BlockLayout(LAYERS, BLOCK, int(np.prod(page_shape)) * 4, torch.float32, "cpu")
     side = WorkerSide(store.socket, layout)
-    side.register_kv_caches(dict(zip(LAYERS, layers, strict=True)))
+    side.register_kv_caches(dict(zip(LAYERS, layers, strict=True)), cpu_attention(LAYERS))
     return side, layers
 
 
@@ -490,7 +491,7 @@ def test_worker_abandons_a_block_that_vllm_recomputed_after_a_failed_fill(store)
     side, _ = worker(store)
     spec = RecoverySpec(policy="full")
     job = RecoveryJob("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
-    side.recover(KMeshConnectorMetadata(recoveries=[job]), attention_layers={})  # no model
+    side.recover(KMeshConnectorMetadata(recoveries=[job]))  # no model
     key = bytes(32)
     with StoreClient(store.socket) as client:
         client.acquire([key])
@@ -514,8 +515,8 @@ def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):
 def test_worker_refuses_a_kv_cache_of_another_dtype_than_the_layout(store):
     side = WorkerSide(store.socket, LAYOUT)
     layers = {name: torch.zeros(6, *PAGE_SHAPE, dtype=torch.bfloat16) for name in LAYERS}
-    with pytest.raises(ValueError, match="whole pages"):
-        side.register_kv_caches(layers)
+    with pytest.raises(ValueError, match=r"expected cpu:LBHNC of torch\.float32"):
+        side.register_kv_caches(layers, cpu_attention(LAYERS))
 
 
 def test_hits_stay_pinned_until_the_request_that_loads_them_finishes(store):
@@ -536,7 +537,7 @@ def test_worker_without_an_attached_model_gives_claimed_blocks_back_to_vllm(stor
     side, _ = worker(store)
     spec = RecoverySpec(policy="full")
     job = RecoveryJob("a", PROMPT, [3, 4, 5], BLOCK, 2 * BLOCK, None, [], spec, None)
-    side.recover(KMeshConnectorMetadata(recoveries=[job]), attention_layers={})
+    side.recover(KMeshConnectorMetadata(recoveries=[job]))
     assert side.take_load_errors() == {4}  # block 1 of the request: rows [4, 8)
 
 
@@ -598,8 +599,8 @@ class _KeptOutputs:
 
 
 def test_the_worker_keeps_a_finished_requests_generated_rows_then_releases_its_blocks(store):
+    from kmesh.vllm.cpu_pages import CpuPages
     from kmesh.vllm.metadata import KeepOutput
-    from kmesh.vllm.pages import Pages
 
     side, layers = worker(store)
     out = KeepOutput("a", "kmesh-approx:t", [7, 8], [3, 4, 5, 1], len(PROMPT))
@@ -612,7 +613,9 @@ def test_the_worker_keeps_a_finished_requests_generated_rows_then_releases_its_b
     assert side.take_kept() == {"a"}
     ((tenant, tokens, k, v, start),) = kept.kept
     positions = torch.arange(len(PROMPT), len(PROMPT) + 2)  # rows 11, 12: blocks 5 and 1
-    want_k, want_v = Pages(layers, LAYERS, BLOCK).read([3, 4, 5, 1], positions)
+    want_k, want_v = CpuPages(layers, BLOCK, list(cpu_attention(LAYERS).values())).read(
+        [3, 4, 5, 1], positions
+    )
     assert (tenant, tokens, start) == ("kmesh-approx:t", [7, 8], len(PROMPT))
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
@@ -716,21 +719,20 @@ def test_a_tail_the_worker_could_not_copy_is_computed_by_vllm(tmp_path):
 
 
 def test_the_worker_copies_a_kept_tail_exactly_and_reports_a_missing_one(store):
+    from kmesh.vllm.cpu_pages import CpuPages
     from kmesh.vllm.metadata import CopyTail, KeepTail
-    from kmesh.vllm.pages import Pages
 
     side, layers = worker(store, (1, BLOCK, 128))  # a head size vLLM's cache-write op takes
-    attention = {name: SimpleNamespace(isa="vec") for name in LAYERS}
-    pages = Pages(layers, LAYERS, BLOCK)
+    pages = CpuPages(layers, BLOCK, list(cpu_attention(LAYERS).values()))
     side.keep_tails([KeepTail(0, [3, 4, 5], 8, 11)])
-    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)], attention)
+    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)])
     want = pages.read([3, 4, 5], torch.arange(8, 10))
     got = pages.read([0, 1, 2], torch.arange(8, 10))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert side.take_load_errors() == set()
 
     side.drop_tails([0])
-    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)], attention)
+    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)])
     assert side.take_load_errors() == {2}
 
 
@@ -745,5 +747,5 @@ def test_the_worker_keeps_no_tail_from_pages_that_failed_to_load(store):
         hit = client.acquire([key]).hits[0]
     side.load(KMeshConnectorMetadata(loads=[LoadBlock(None, 5, hit)]))
     side.keep_tails([KeepTail(0, [3, 4, 5], 8, 11)])
-    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)], {})
+    side.copy_tails([CopyTail(0, [0, 1, 2], 8, 10)])
     assert side.take_load_errors() == {5, 2}

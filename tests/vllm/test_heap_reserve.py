@@ -70,10 +70,10 @@ def test_the_connector_writes_the_reserve_once_vllm_registers_its_kv_cache(monke
     warmed: list[int] = []
     monkeypatch.setattr(heap_reserve, "warm", warmed.append)
     monkeypatch.setattr(heap_reserve, "_available", lambda: 64 << 30)
-    worker = SimpleNamespace(register_kv_caches=lambda caches: None)
+    worker = SimpleNamespace(register_kv_caches=lambda caches, attention: None)
     caches = {name: torch.empty(3 << 20, dtype=torch.uint8) for name in ("layer.0", "layer.1")}
     for given, written in ((None, 3 << 20), (0, 0), (5 << 20, 5 << 20)):
-        connector = SimpleNamespace(_worker_side=worker, _heap_reserve=given)
+        connector = SimpleNamespace(_worker_side=worker, _heap_reserve=given, _attention={})
         KMeshConnector.register_kv_caches(connector, caches)  # type: ignore[arg-type]
         assert warmed.pop() == written  # by default half the cache's 6 MiB
 

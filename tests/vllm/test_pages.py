@@ -1,23 +1,21 @@
-"""vLLM's CPU paged KV layout (kmesh/vllm/pages.py): rows written with vLLM's own cache-write op
+"""vLLM's CPU paged KV layout (kmesh/vllm/cpu_pages.py): rows written with vLLM's own cache-write op
 read back as they were written, in the cache's dtype (float32 or bfloat16), and land where vLLM's
 layout puts them."""
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kmesh.vllm.pages import Pages
+from kmesh.vllm.cpu_pages import CpuPages
+from tests.vllm.helpers import cpu_attention
 
 BLOCK, HEADS, DIM, BLOCKS, LAYERS = 128, 3, 64, 4, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-ATTENTION = {name: SimpleNamespace(isa="vec") for name in NAMES}
 
 
-def pages(dtype: torch.dtype = torch.float32) -> Pages:
+def pages(dtype: torch.dtype = torch.float32) -> CpuPages:
     # vLLM's allocation per layer: [blocks, kv heads, block size, 2 * head size] (as registered).
     layers = [torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=dtype) for _ in NAMES]
-    return Pages(layers, NAMES, BLOCK)
+    return CpuPages(layers, BLOCK, list(cpu_attention(NAMES).values()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,7 +25,7 @@ def test_rows_written_by_vllms_op_read_back_unchanged(dtype):
     positions = torch.tensor([0, 1, 127, 128, 200, 300, 383])
     k = torch.randn(LAYERS, len(positions), HEADS, DIM).to(dtype)
     v = torch.randn(LAYERS, len(positions), HEADS, DIM).to(dtype)
-    paged.write(block_ids, positions, k, v, ATTENTION)
+    paged.write(block_ids, positions, k, v)
     got_k, got_v = paged.read(block_ids, positions)
     assert got_k.dtype == got_v.dtype == dtype
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
@@ -43,7 +41,7 @@ def test_consecutive_rows_read_a_page_at_a_time_are_the_rows_read_one_by_one(dty
     positions = torch.arange(100, 330)  # from inside the first page to inside the third
     k = torch.randn(LAYERS, len(positions), HEADS, DIM).to(dtype)
     v = torch.randn(LAYERS, len(positions), HEADS, DIM).to(dtype)
-    paged.write(block_ids, positions, k, v, ATTENTION)
+    paged.write(block_ids, positions, k, v)
 
     got_k, got_v = paged.read(block_ids, positions)
     back_k, back_v = paged.read(block_ids, positions.flip(0))  # not consecutive: row by row
@@ -56,7 +54,7 @@ def test_keys_sit_transposed_in_the_first_half_of_a_page_and_values_in_the_secon
     paged = pages()
     k = torch.randn(LAYERS, 1, HEADS, DIM)
     v = torch.randn(LAYERS, 1, HEADS, DIM)
-    paged.write([1], torch.tensor([5]), k, v, ATTENTION)
+    paged.write([1], torch.tensor([5]), k, v)
     page = paged.layers[0][1].reshape(HEADS, 2 * BLOCK, DIM)  # one block's page
     keys = page[:, :BLOCK].reshape(HEADS, DIM, BLOCK)  # [head, dim, slot]
     assert torch.equal(keys[:, :, 5], k[0, 0])
@@ -69,7 +67,7 @@ def test_float32_rows_land_in_bfloat16_pages_rounded_and_the_pages_stay_bfloat16
     positions = torch.tensor([3, 130])
     k = torch.randn(LAYERS, 2, HEADS, DIM)
     v = torch.randn(LAYERS, 2, HEADS, DIM)
-    paged.write([1, 2], positions, k, v, ATTENTION)
+    paged.write([1, 2], positions, k, v)
     got_k, got_v = paged.read([1, 2], positions)
     assert torch.equal(got_k, k.bfloat16()) and torch.equal(got_v, v.bfloat16())
     assert all(

@@ -46,7 +46,19 @@ def test_vllms_own_worker_cannot_recover_and_the_reason_names_the_flag(worker_cl
     assert reason.endswith("start vLLM with --worker-cls kmesh.vllm.worker.KMeshWorker")
 
 
-def test_a_cache_recovery_cannot_fill_is_named():
-    layout = replace(LAYOUT, dtype=torch.float16)
-    reason = recovery_unavailable(parallel("kmesh.vllm.worker.KMeshWorker"), layout)
-    assert reason is not None and "cpu / torch.float16" in reason
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [({"dtype": torch.uint8}, "is torch.uint8"), ({"tp_size": 2}, "this engine has 2")],
+    ids=["a quantized cache", "tensor parallel"],
+)
+def test_an_engine_recovery_cannot_fill_is_named(change, said):
+    reason = recovery_unavailable(
+        parallel("kmesh.vllm.worker.KMeshWorker"), replace(LAYOUT, **change)
+    )
+    assert reason is not None and said in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float_caches_on_any_platform_can_recover(dtype):
+    layout = replace(LAYOUT, dtype=dtype, platform="cuda", page_format="kv_split:LBNHC")
+    assert recovery_unavailable(parallel("kmesh.vllm.worker.KMeshWorker"), layout) is None

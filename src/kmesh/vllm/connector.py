@@ -47,6 +47,7 @@ from kmesh.vllm.metadata import KMeshConnectorMetadata, KMeshWorkerMetadata
 from kmesh.vllm.metrics import KMeshConnectorStats, KMeshPromMetrics, finished_counts
 from kmesh.vllm.recovery_support import recovery_unavailable
 from kmesh.vllm.scheduler_side import SchedulerSide
+from kmesh.vllm.shards import Shards
 from kmesh.vllm.version import check_vllm_version
 from kmesh.vllm.worker_side import WorkerSide
 
@@ -67,9 +68,7 @@ class KMeshConnector(KVConnectorBase_V1):
         check_vllm_version(vllm.__version__)  # before anything of vLLM's is relied on
         super().__init__(vllm_config, role, kv_cache_config)
         store = self._kv_transfer_config.get_from_extra_config("store", None)
-        layout = BlockLayout.of(
-            kv_cache_config, vllm_config.cache_config.block_size, current_platform.device_type
-        )
+        layout = engine_layout(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -85,7 +84,8 @@ class KMeshConnector(KVConnectorBase_V1):
             )
             self._scheduler.warm()
         else:
-            self._worker = WorkerSide(store, layout)
+            self._worker = WorkerSide(store, layout, Shards.of_engine(layout.rank_bytes))
+            self._attention = vllm_config.compilation_config.static_forward_context
             self._heap_reserve = heap_reserve_setting(
                 self._kv_transfer_config, vllm_config.parallel_config, layout
             )
@@ -93,7 +93,7 @@ class KMeshConnector(KVConnectorBase_V1):
     # -- worker role ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_side.register_kv_caches(kv_caches)
+        self._worker_side.register_kv_caches(kv_caches, self._attention)
         reserve = self._heap_reserve
         if reserve is None:
             cache_bytes = sum(layer.nbytes for layer in kv_caches.values())
@@ -105,9 +105,9 @@ class KMeshConnector(KVConnectorBase_V1):
         # Before this step's copies read them (their freed blocks are free all this step).
         worker.keep_tails(metadata.finished_tails)
         worker.keep_outputs(metadata)  # before this step's recoveries read them
-        worker.copy_tails(metadata.tail_copies, forward_context.no_compile_layers)
+        worker.copy_tails(metadata.tail_copies)
         worker.load(metadata)
-        worker.recover(metadata, forward_context.no_compile_layers)
+        worker.recover(metadata)
 
     def attach_recovery(self, recovery: RequestRecovery) -> None:
         """Called by the worker extension (kmesh_attach) with an executor on vLLM's model."""
@@ -242,3 +242,18 @@ def heap_reserve_setting(transfer: Any, parallel_config: Any, layout: BlockLayou
     if transfer.get_from_extra_config("heap_reserve_bytes", None) is not None:
         return extra_count(transfer, "heap_reserve_bytes", 0)
     return 0 if recovery_unavailable(parallel_config, layout) is not None else None
+
+
+def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> BlockLayout:
+    """The stored block's layout of this engine: its KV cache groups, block size, platform, the
+    KV cache layout the engine core resolved, and its tensor-parallel size."""
+    kv_layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    if kv_layout is None:
+        kv_layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+    return BlockLayout.of(
+        kv_cache_config,
+        vllm_config.cache_config.block_size,
+        current_platform.device_type,
+        kv_layout,
+        vllm_config.parallel_config.tensor_parallel_size,
+    )

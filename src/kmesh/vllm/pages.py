@@ -1,103 +1,117 @@
-"""Rows of vLLM's paged KV cache (CPU layout) as KMesh's dense [layers, n, kv_heads, head_dim].
+"""Rows of vLLM's paged KV cache as KMesh's dense [layers, n, kv_heads, head_dim], and a block's
+page of each layer as it lies in memory, for every attention backend whose pages KMesh knows.
 
-vLLM's CPU attention keeps one tensor per layer; a block's page is [kv_heads, 2 * block_size,
-head_size], its first half the keys stored transposed ([head_size, block_size] per head), its
-second half the values ([block_size, head_size]). Reading inverts that layout; writing goes through
-vLLM's own op (`cpu_attn_reshape_and_cache`, with the attention layer's ISA), so what is written is
-vLLM's layout by construction.
+vLLM 0.32 gives each attention layer a view [blocks, kv_heads, block_size, content] of one backing
+allocation, strided by the engine's KV cache layout (vllm/v1/kv_cache_layout.py::KVCacheLayout, a
+permutation of [layer, block, head, token, content] that the engine core resolves once from the
+layouts its backends declare, `supported_kv_cache_layouts`). What the content holds is the
+backend's own reading of it, and that is the page format:
 
-Rows are read and written in the cache's dtype (float32 or bfloat16): reads gather just the rows
-asked for, writes convert one layer's rows at a time; the cache itself is never converted.
+- `cpu` (CPU_ATTN): each page reread as [kv_heads, 2 * block_size, head_size], keys transposed
+  ([head_size, block_size] per head) then values; written through vLLM's own op (cpu_pages.py).
+- `kv_split` (FLASH_ATTN, FLASHINFER, TRITON_ATTN): the content is K then V, `kv_cache.transpose(
+  1, 2).split(head_size, dim=-1)` as their kernels read it, in any of the layouts (split_pages.py).
+
+A page's bytes are moved in their physical order (`page`), so a stored block restores into any
+engine of the same format, layout, dtype and geometry, and into no other (layout.py's meta). A
+backend not listed, a quantized cache, or a layout the backend does not declare is refused at
+start, in one line.
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+# vLLM's attention backend name (AttentionBackend.get_name()) -> the page format KMesh reads.
+PAGE_FORMATS = {
+    "CPU_ATTN": "cpu",
+    "FLASH_ATTN": "kv_split",
+    "FLASHINFER": "kv_split",
+    "TRITON_ATTN": "kv_split",
+}
+# What the page formats hold: float caches only (a quantized cache's bytes need its scales).
+PAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-class Pages:
-    def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str], block_size: int):
+
+class Pages(ABC):
+    """One worker's KV pages: `layers` are vLLM's per-layer views in layer order."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], block_size: int) -> None:
         self.layers = list(layers)
-        self.names = list(names)
         self.block_size = block_size
 
-    def _split(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache [N, H, B, D] as vLLM's op wants it, value_cache [N, H, B, D])."""
-        pages = layer.view(layer.shape[0], layer.shape[1], 2 * self.block_size, -1)
-        key_cache, value_cache = pages.chunk(2, dim=2)
-        return key_cache, value_cache
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
 
-    def slots(self, block_ids: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(block_ids, dtype=torch.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
+    @abstractmethod
     def read(
         self, block_ids: Sequence[int], positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [layers, n, kv_heads, head_dim] of a request's rows at `positions` [n], in the
-        cache's dtype. Consecutive positions (a prefix, a piece) are read a page at a time (the
-        rows then views of the pages read: copy what is kept); any others row by row."""
-        n = positions.numel()
-        if (
-            n
-            and int(positions[-1]) - int(positions[0]) == n - 1
-            and bool((positions.diff() == 1).all())
-        ):
-            return self._read_pages(block_ids, int(positions[0]), n)
-        table = torch.tensor(block_ids, dtype=torch.int64)
-        blocks = table[positions // self.block_size]
-        offsets = positions % self.block_size
-        ks, vs = [], []
-        for layer in self.layers:
-            key_cache, value_cache = self._split(layer)
-            pages, heads, block, dim = key_cache.shape
-            keys = key_cache.view(pages, heads, dim, block)  # stored transposed
-            ks.append(keys[blocks, :, :, offsets])
-            vs.append(value_cache[blocks, :, offsets, :])
-        return torch.stack(ks), torch.stack(vs)
+        """K and V [layers, n, kv_heads, head_dim] of a request's rows at `positions` [n], in
+        the cache's dtype, on its device."""
 
-    def _read_pages(
-        self, block_ids: Sequence[int], start: int, n: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [start, start + n): the pages holding them gathered whole, turned to rows on the
-        way (one pass per layer), the rows asked for returned as views of them."""
-        bs = self.block_size
-        first, last = start // bs, (start + n - 1) // bs
-        table = torch.tensor(block_ids[first : last + 1], dtype=torch.int64)
-        rows = slice(start - first * bs, start - first * bs + n)
-        key_cache, _ = self._split(self.layers[0])
-        pages, heads, _, dim = key_cache.shape
-        shape = (len(self.layers), len(table), bs, heads, dim)
-        k = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
-        v = torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
-        for index, layer in enumerate(self.layers):
-            key_cache, value_cache = self._split(layer)
-            keys = key_cache.view(pages, heads, dim, bs).permute(0, 3, 1, 2)  # stored transposed
-            torch.index_select(keys, 0, table, out=k[index])
-            torch.index_select(value_cache.permute(0, 2, 1, 3), 0, table, out=v[index])
-        return k.flatten(1, 2)[:, rows], v.flatten(1, 2)[:, rows]
-
+    @abstractmethod
     def write(
-        self,
-        block_ids: Sequence[int],
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attention_layers: dict[str, Any],
+        self, block_ids: Sequence[int], positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Write K and V [layers, n, kv_heads, head_dim] into a request's rows at `positions`
         (rounded to the cache's dtype if theirs differs)."""
-        from vllm import _custom_ops as ops
 
-        slots = self.slots(block_ids, positions)
-        for index, (name, layer) in enumerate(zip(self.names, self.layers, strict=True)):
-            key_cache, value_cache = self._split(layer)
-            ops.cpu_attn_reshape_and_cache(
-                k[index].to(key_cache.dtype).contiguous(),
-                v[index].to(value_cache.dtype).contiguous(),
-                key_cache,
-                value_cache,
-                slots,
-                attention_layers[name].isa,
-            )
+    @abstractmethod
+    def page(self, layer: int, block: int) -> torch.Tensor:
+        """One layer's page of one block, a view whose row-major order is its memory order."""
+
+    def table(self, block_ids: Sequence[int], positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(block, offset in it) of each position, on the cache's device."""
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        positions = positions.to(torch.int64).cpu()
+        blocks = table[positions // self.block_size]
+        offsets = positions % self.block_size
+        return blocks.to(self.device), offsets.to(self.device)
+
+
+def page_format(backend: Any, layout: str, dtype: torch.dtype) -> str:
+    """The page format of a vLLM attention backend class running the engine's resolved
+    `layout` (a KVCacheLayout name) with a cache of `dtype`, as layout.py's meta names it
+    (`cpu:LBHNC`, `kv_split:LBNHC`); ValueError in one line where KMesh cannot read its pages."""
+    name = backend.get_name()
+    kind = PAGE_FORMATS.get(name)
+    if kind is None:
+        known = ", ".join(PAGE_FORMATS)
+        raise ValueError(
+            f"KMeshConnector reads the KV pages of the attention backends {known}; this engine "
+            f"runs {name}: pick one of them (--attention-backend) or run without KMeshConnector"
+        )
+    if dtype not in PAGE_DTYPES:
+        raise ValueError(
+            f"KMeshConnector copies float KV caches (float32, bfloat16, float16); this engine's "
+            f"is {dtype}: run it without --kv-cache-dtype"
+        )
+    declared = backend.supported_kv_cache_layouts()
+    if declared is not None and layout not in [each.name for each in declared]:
+        names = ", ".join(each.name for each in declared)
+        raise ValueError(
+            f"the engine resolved the KV cache layout {layout}, which {name} does not declare "
+            f"({names}): unset VLLM_KV_CACHE_LAYOUT"
+        )
+    return f"{kind}:{layout}"
+
+
+def pages_for(
+    format_: str,
+    layers: Sequence[torch.Tensor],
+    block_size: int,
+    attention_layers: dict[str, Any],
+    names: Sequence[str],
+) -> Pages:
+    """The Pages of a page format (page_format) over vLLM's per-layer views."""
+    from kmesh.vllm.cpu_pages import CpuPages
+    from kmesh.vllm.split_pages import SplitPages
+
+    kind, layout = format_.split(":")
+    if kind == "cpu":
+        return CpuPages(layers, block_size, [attention_layers[name] for name in names])
+    return SplitPages(layers, block_size, layout)

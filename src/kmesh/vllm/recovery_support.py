@@ -5,7 +5,8 @@ Recovery runs KMesh's executor on the worker's model, which vLLM never hands a c
 worker class hands it over at start (`--worker-cls kmesh.vllm.worker.KMeshWorker`,
 kmesh/vllm/worker.py), or a `collective_rpc("kmesh_attach")` call does on a worker extended with
 KMeshWorkerExtension (`--worker-extension-cls`; whether that call came, the scheduler half cannot
-know). It fills vLLM's CPU pages of a float32 or bfloat16 KV cache only. An engine that cannot
+know). It fills a float32, bfloat16 or float16 KV cache on one worker: with tensor parallelism each
+worker holds a shard of the heads, and recovery does not run per shard yet. An engine that cannot
 recover refuses every recovery up front: vLLM computes the request exactly, and its stats say
 why (`"recovery": {"refused": ...}`).
 """
@@ -26,11 +27,16 @@ def recovery_unavailable(parallel_config: Any, layout: BlockLayout) -> str | Non
     """Why no recovery can run in this engine, given vLLM's ParallelConfig (its worker_cls and
     worker_extension_cls) and the KV cache's layout; None when it can (or may, once
     kmesh_attach is called)."""
-    if layout.platform != "cpu" or layout.dtype not in RECOVERABLE_DTYPES:
+    if layout.dtype not in RECOVERABLE_DTYPES:
         return (
-            "recovery inside vLLM runs on CPU with a float32 or bfloat16 KV cache only so far; "
-            f"this engine is {layout.platform} / {layout.dtype}: run it on CPU with --dtype "
-            "float32 or bfloat16"
+            "recovery inside vLLM fills a float32, bfloat16 or float16 KV cache; this engine's "
+            f"is {layout.dtype}: run it without --kv-cache-dtype"
+        )
+    if layout.tp_size != 1:
+        return (
+            f"recovery inside vLLM runs on one worker so far; this engine has "
+            f"{layout.tp_size} (tensor_parallel_size): its requests are computed by vLLM, with "
+            "exact sharing and restore on"
         )
     worker = str(parallel_config.worker_cls)
     extension = str(parallel_config.worker_extension_cls or "")

@@ -5,7 +5,8 @@ kmesh.vllm.worker.KMeshWorker`), so a plain `vllm serve` with KMeshConnector rec
 It is the platform's own worker (CPUWorker on CPU, the GPU Worker elsewhere) plus one override:
 once vLLM has set up the KV cache and, with it, the connector
 (vllm/v1/worker/gpu_worker.py::Worker.initialize_from_config), it attaches the loaded model to
-KMeshConnector. With another connector, or none, it is vLLM's worker unchanged.
+KMeshConnector. With another connector, or none, or with tensor parallelism (recovery runs on one
+worker so far: recovery_support.py), it is vLLM's worker unchanged.
 """
 
 from typing import Any
@@ -27,5 +28,7 @@ class KMeshWorker(PlatformWorker, KMeshWorkerExtension):  # type: ignore[misc,va
         super().initialize_from_config(kv_cache_config)
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
+        if self.vllm_config.parallel_config.tensor_parallel_size != 1:
+            return
         if has_kv_transfer_group() and hasattr(get_kv_transfer_group(), "attach_recovery"):
             self.kmesh_attach()

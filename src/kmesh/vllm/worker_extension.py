@@ -31,6 +31,12 @@ class KMeshWorkerExtension:
 
         if not has_kv_transfer_group():
             raise RuntimeError("kmesh_attach needs the engine started with KMeshConnector")
+        parallel = self.vllm_config.parallel_config.tensor_parallel_size
+        if parallel != 1:
+            raise RuntimeError(
+                f"recovery runs on one worker so far; this engine has {parallel} "
+                "(tensor_parallel_size)"
+            )
         connector = get_kv_transfer_group()
         attach = getattr(connector, "attach_recovery", None)
         if attach is None:

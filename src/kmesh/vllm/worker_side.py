@@ -9,9 +9,14 @@ Recovery runs KMesh's layerwise executor on vLLM's own loaded model. vLLM hands 
 model, so it is attached from outside: KMesh's worker class (kmesh/vllm/worker.py, vLLM's
 `worker_cls`) passes the worker's model in at startup, through `kmesh_attach`
 (kmesh/vllm/worker_extension.py). Without it, or when recovery fails, the claimed blocks are
-reported as load errors and vLLM computes them itself. Recovery runs
-on CPU in the KV cache's dtype, float32 or bfloat16 (the engine's `dtype`); another platform or
-dtype is refused the same way.
+reported as load errors and vLLM computes them itself. Recovery runs on the worker's device in
+the KV cache's dtype, float32, bfloat16 or float16 (the engine's `dtype`).
+
+Store entries cross through host staging (staging.py: pinned buffers and a side stream on a GPU);
+with tensor parallelism an entry holds every worker's shard, gathered by the first rank
+(shards.py). Pages are read and written in the engine's page format (pages.py), which must be
+the one the scheduler half named in the entries' meta: a backend KMesh cannot read is refused
+when the KV cache is registered, before vLLM serves.
 """
 
 import logging
@@ -26,7 +31,7 @@ from kmesh.store import StoreError, TenantClients
 from kmesh.store.segments import encode_meta, write_segment
 from kmesh.store.shared.state import shared_through
 from kmesh.store.tensors import segment_tensor, tensor_bytes
-from kmesh.vllm.layout import BlockLayout
+from kmesh.vllm.layout import BlockLayout, layout_mismatch
 from kmesh.vllm.metadata import (
     CopyTail,
     KeepTail,
@@ -34,18 +39,24 @@ from kmesh.vllm.metadata import (
     KMeshWorkerMetadata,
     TenantKey,
 )
-from kmesh.vllm.pages import Pages
+from kmesh.vllm.pages import Pages, page_format, pages_for
+from kmesh.vllm.shards import Shards
+from kmesh.vllm.staging import Staging
 
 log = logging.getLogger(__name__)
 
 # KV cache dtypes recovery runs in (the executor computes in the cache's dtype).
-RECOVERABLE_DTYPES = (torch.float32, torch.bfloat16)
+RECOVERABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class WorkerSide:
-    def __init__(self, store: str | None, layout: BlockLayout) -> None:
+    def __init__(
+        self, store: str | None, layout: BlockLayout, shards: Shards | None = None
+    ) -> None:
         self.store = store
         self.layout = layout
+        self.shards = shards or Shards(0, 1, layout.rank_bytes)
+        self._staging = Staging(torch.device("cpu"))
         self._recovery: RequestRecovery | None = None  # set by attach_recovery
         self._pages: Pages | None = None
         self.meta = layout.meta
@@ -61,21 +72,32 @@ class WorkerSide:
         self._kept: set[str] = set()  # requests whose output was read: their blocks may go
         self._tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k, v of kept tails
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layers = [kv_caches[name] for name in self.layout.layer_names]
-        self._pages = Pages(self._layers, self.layout.layer_names, self.layout.block_size)
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], attention: dict[str, Any]
+    ) -> None:
+        """vLLM's per-layer KV views, and its attention modules by layer name (their backend
+        decides the page format); ValueError in one line where KMesh cannot read the pages."""
+        layout = self.layout
+        self._layers = [kv_caches[name] for name in layout.layer_names]
         first = self._layers[0]
-        page = first[0]
-        page_bytes = page.numel() * page.element_size()
-        if (
-            not page.is_contiguous()
-            or page_bytes != self.layout.page_bytes
-            or first.dtype != self.layout.dtype
-        ):
+        backend = attention[layout.layer_names[0]].attn_backend
+        kv_layout = layout.page_format.split(":")[1]
+        found = page_format(backend, kv_layout, first.dtype)
+        if found != layout.page_format or first.dtype != layout.dtype:
             raise ValueError(
-                f"vLLM's KV cache pages are not contiguous {self.layout.page_bytes}-byte blocks "
-                f"of {self.layout.dtype} (shape {tuple(first.shape)}, strides {first.stride()}, "
-                f"{first.dtype}); KMeshConnector copies whole pages"
+                f"vLLM's KV pages are {found} of {first.dtype}; the connector expected "
+                f"{layout.page_format} of {layout.dtype} on {layout.platform}"
+            )
+        self._pages = pages_for(
+            found, self._layers, layout.block_size, attention, layout.layer_names
+        )
+        self._staging = Staging(first.device)
+        page = self._pages.page(0, 0)
+        if page.numel() * page.element_size() != layout.page_bytes:
+            raise ValueError(
+                f"vLLM's KV pages are not {layout.page_bytes}-byte blocks (shape "
+                f"{tuple(first.shape)}, strides {first.stride()}); KMeshConnector copies whole "
+                "pages"
             )
 
     def load(self, metadata: KMeshConnectorMetadata) -> None:
@@ -85,15 +107,14 @@ class WorkerSide:
             try:
                 with self._client(load.tenant).read(load.hit) as entry:
                     if entry.meta != self.meta:
-                        raise StoreError(
-                            f"entry layout {entry.meta} is not this cache's {self.meta}"
-                        )
+                        raise StoreError(layout_mismatch(entry.meta, self.meta))
                     self._copy_in(load.block_id, entry.data)
             except StoreError as error:
                 log.warning(
                     "kmesh: block %d not loaded, vLLM recomputes it: %s", load.block_id, error
                 )
                 self._load_errors.add(load.block_id)
+        self._staging.wait()  # before recovery or vLLM's forward pass reads the pages
 
     def keep_outputs(self, metadata: KMeshConnectorMetadata) -> None:
         """Read finished requests' generated rows (exact, from the pages their blocks still hold)
@@ -124,7 +145,7 @@ class WorkerSide:
             except Exception as error:  # a kept tail is an optimisation: never fatal
                 log.warning("kmesh: page tail %d not kept: %s", keep.tail_id, error)
 
-    def copy_tails(self, copies: list[CopyTail], attention_layers: dict[str, Any]) -> None:
+    def copy_tails(self, copies: list[CopyTail]) -> None:
         """Write kept tails' rows into the requests that claimed them (before the forward pass);
         a tail not held or not written is a load error: vLLM computes those blocks."""
         block = self.layout.block_size
@@ -136,7 +157,7 @@ class WorkerSide:
                 count = copy.end - copy.start
                 k, v = rows[0][:, :count], rows[1][:, :count]
                 positions = torch.arange(copy.start, copy.end)
-                self._pages.write(copy.block_ids, positions, k, v, attention_layers)
+                self._pages.write(copy.block_ids, positions, k, v)
             except Exception as error:
                 log.warning("kmesh: page tail not copied, vLLM computes its rows: %s", error)
                 self._load_errors.update(
@@ -161,7 +182,7 @@ class WorkerSide:
             recovery.share(shared_through(self._client, recovery.fingerprint, config))
         self._recovery = recovery
 
-    def recover(self, metadata: KMeshConnectorMetadata, attention_layers: dict[str, Any]) -> None:
+    def recover(self, metadata: KMeshConnectorMetadata) -> None:
         """Fill the claimed rows of recovery requests before the forward pass. Whatever cannot
         be recovered (no model attached, the gate, an error) is reported as load errors: vLLM
         computes those blocks itself."""
@@ -188,7 +209,7 @@ class WorkerSide:
                     self._give_back(job)
                     return
                 positions = torch.arange(job.start, job.end)
-                pages.write(job.block_ids, positions, outcome.k, outcome.v, attention_layers)
+                pages.write(job.block_ids, positions, outcome.k, outcome.v)
 
             for request_id, outcome in self._recovery.run(jobs, pages, write).items():
                 if outcome.transcript:
@@ -207,14 +228,14 @@ class WorkerSide:
         return not self._load_errors.isdisjoint(prefix)
 
     def _check_recoverable(self, executor_dtype: torch.dtype) -> None:
-        """Raise unless recovery can fill this engine's cache: vLLM's CPU page layout (the only
-        one pages.py knows), a float32 or bfloat16 cache, and an executor in the cache's dtype
-        (its KV is written as it is computed)."""
+        """Raise unless recovery can fill this engine's cache: a float32, bfloat16 or float16
+        cache, one worker (recovery_support.py), and an executor in the cache's dtype (its KV
+        is written as it is computed)."""
         layout = self.layout
-        if layout.platform != "cpu" or layout.dtype not in RECOVERABLE_DTYPES:
+        if layout.dtype not in RECOVERABLE_DTYPES or layout.tp_size != 1:
             raise RuntimeError(
-                "recovery inside vLLM runs on CPU with a float32 or bfloat16 KV cache only so "
-                f"far; this engine is {layout.platform} / {layout.dtype}"
+                "recovery inside vLLM runs on one worker with a float KV cache; this engine "
+                f"has {layout.tp_size} workers and a {layout.dtype} cache"
             )
         if executor_dtype != layout.dtype:
             raise RuntimeError(
@@ -225,15 +246,25 @@ class WorkerSide:
         """Copy the blocks computed this step into the segments the store reserved for them;
         a block whose load or recovery failed this step is abandoned (vLLM recomputed it, and
         what it computed need not be what its key names: an activated request's base rows)."""
+        pages = self._pages
         for save in metadata.saves:
+            assert pages is not None, "a save before the KV cache was registered"
+            mine = self._staging.to_host(
+                [pages.page(layer, save.block_id) for layer in range(len(self._layers))]
+            )
+            parts = self.shards.gather(mine)  # every worker takes part, in the same order
+            if not self.shards.writes:
+                continue
             if save.block_id in self._load_errors:
                 self._saved[(save.tenant, save.key)] = None
                 continue
-
-            pages = tensor_bytes(layer[save.block_id] for layer in self._layers)
             try:
                 crc = write_segment(
-                    save.segment, save.key, self.layout.block_bytes, self.meta_bytes, pages
+                    save.segment,
+                    save.key,
+                    self.layout.block_bytes,
+                    self.meta_bytes,
+                    tensor_bytes(parts),
                 )
             except StoreError as error:
                 log.warning("kmesh: block %d not saved: %s", save.block_id, error)
@@ -260,9 +291,10 @@ class WorkerSide:
         self._client.close()
 
     def _copy_in(self, block_id: int, data: memoryview) -> None:
-        """A block's pages, layer after layer, from shared memory into vLLM's cache."""
-        source = segment_tensor(data)
-        page = self.layout.page_bytes
-        for i, layer in enumerate(self._layers):
-            layer[block_id].view(-1).view(torch.uint8).copy_(source[i * page : (i + 1) * page])
+        """This worker's pages of a block, layer after layer, from shared memory into vLLM's
+        cache (through host staging on a GPU)."""
+        assert self._pages is not None, "a load before the KV cache was registered"
+        source = self.shards.mine(segment_tensor(data))
+        pages = [self._pages.page(layer, block_id) for layer in range(len(self._layers))]
+        self._staging.to_pages(source, pages)
         del source
