@@ -80,6 +80,8 @@ def test_model_info_names_the_cache_and_config():
         (["serve", "--engine", "reference", "--quality", "greedy"], "need --reuse-messages"),
         (["serve", "--engine", "reference", "--dtype", "bfloat16"], "it needs --engine vllm"),
         (["serve", "--engine", "reference", "--heap-reserve", "1G"], "it needs --engine vllm"),
+        (["serve", "--engine", "reference", "--tensor-parallel-size", "2"], "needs --engine vllm"),
+        (["serve", "--engine", "vllm", "--tensor-parallel-size", "2"], "9 attention heads"),
         (["serve", "--engine", "vllm", "--heap-reserve", "some"], "--heap-reserve takes a size"),
         (
             ["serve", "--engine", "reference", "--reuse-messages", "--quality", "kl:x"],

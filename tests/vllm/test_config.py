@@ -5,7 +5,13 @@ from vllm.config import KVTransferConfig
 
 from kmesh.errors import InvalidRequestError
 from kmesh.serve.vllm_backend import VLLMBackend
-from kmesh.vllm.config import extra_count, kv_transfer_config, vllm_engine_kwargs, vllm_server_args
+from kmesh.vllm.config import (
+    cpu_thread_binding,
+    extra_count,
+    kv_transfer_config,
+    vllm_engine_kwargs,
+    vllm_server_args,
+)
 
 
 def test_engine_kwargs_become_vllm_server_flags():
@@ -57,3 +63,29 @@ def test_a_count_in_the_connectors_extra_config_is_read_or_refused_by_name():
     for bad in ("many", -1, 2.5, True):
         with pytest.raises(ValueError, match="'prefault_blocks' must be a whole number >= 0"):
             extra_count(transfer(prefault_blocks=bad), "prefault_blocks", 7)
+
+
+def test_the_tensor_parallel_size_reaches_vllm_from_kmesh_serve_with_a_thread_binding(
+    family_folder,
+):
+    assert "tensor_parallel_size" not in vllm_engine_kwargs()
+    backend = VLLMBackend(family_folder("qwen2"), tensor_parallel_size=2)  # 4 heads, 2 KV heads
+    assert backend._engine_kwargs["tensor_parallel_size"] == 2
+    assert backend._binding is not None and backend._binding.count("|") == 1
+    assert cpu_thread_binding(2, cores=2) == "0|1"
+    assert cpu_thread_binding(2, cores=5) == "0,1|2,3"
+
+
+def test_a_size_the_model_cannot_split_or_the_cores_cannot_hold_is_refused_in_one_line():
+    with pytest.raises(InvalidRequestError, match="9 attention heads and 3 KV heads") as raised:
+        vllm_engine_kwargs(tensor_parallel_size=2)  # the embedded SmolLM2-135M
+    assert "\n" not in str(raised.value)
+    with pytest.raises(InvalidRequestError, match="need a core each; this process may use 2"):
+        cpu_thread_binding(3, cores=2)
+    with pytest.raises(InvalidRequestError, match="must be 1 or more"):
+        vllm_engine_kwargs(tensor_parallel_size=0)
+
+
+def test_a_kv_head_fewer_than_the_workers_is_copied_to_each_of_them(family_folder):
+    kwargs = vllm_engine_kwargs(family_folder("gemma3"), tensor_parallel_size=2)  # 1 KV head
+    assert kwargs["tensor_parallel_size"] == 2

@@ -512,6 +512,32 @@ def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):
     assert target.take_load_errors() == {5}
 
 
+def test_an_entry_stored_at_another_tensor_parallel_size_is_refused_with_its_reason(
+    store, caplog
+):
+    from dataclasses import replace
+
+    from kmesh.store.segments import encode_meta
+
+    two = replace(LAYOUT, page_bytes=LAYOUT.page_bytes // 2, tp_size=2)  # each worker's half
+    target, target_layers = worker(store)
+    key = bytes(32)
+    with StoreClient(store.socket) as client:
+        client.acquire([key])
+        segment = client.reserve(key, two.block_bytes)
+        data = torch.randn(two.block_bytes // 4)
+        meta = encode_meta(two.meta)
+        crc = write_segment(segment, key, two.block_bytes, meta, [data.numpy().data])
+        client.commit(key, crc, meta)
+        hit = client.acquire([key]).hits[0]
+    before = [layer[5].clone() for layer in target_layers]
+    target.load(KMeshConnectorMetadata(loads=[LoadBlock(None, 5, hit)]))
+    assert target.take_load_errors() == {5}
+    assert all(torch.equal(a, b[5]) for a, b in zip(before, target_layers, strict=True))
+    assert "stored at another tensor-parallel size" in caplog.text
+    assert "tensor_parallel_size 2 (here 1)" in caplog.text
+
+
 def test_worker_refuses_a_kv_cache_of_another_dtype_than_the_layout(store):
     side = WorkerSide(store.socket, LAYOUT)
     layers = {name: torch.zeros(6, *PAGE_SHAPE, dtype=torch.bfloat16) for name in LAYERS}

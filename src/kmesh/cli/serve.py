@@ -59,6 +59,10 @@ def _serve(args: argparse.Namespace) -> None:
             "--dtype picks vLLM's dtype: it needs --engine vllm (the reference engine computes "
             "in float32)"
         )
+    if args.tensor_parallel_size is not None and args.engine != "vllm":
+        raise InvalidRequestError(
+            "--tensor-parallel-size splits vLLM's workers: it needs --engine vllm"
+        )
     listener = _listen(args.host, args.port)
     backend: Backend
     if args.engine == "vllm":
@@ -72,6 +76,7 @@ def _serve(args: argparse.Namespace) -> None:
             heap_reserve_bytes=heap_reserve_bytes,
             kv_cache_bytes=kv_cache_bytes,
             dtype=args.dtype or DEFAULT_DTYPE,
+            tensor_parallel_size=args.tensor_parallel_size or 1,
         )
         print("kmesh serve: starting vLLM (about a minute on 2 cores)...", flush=True)
     else:
@@ -152,6 +157,14 @@ def register(commands: Commands) -> None:
         choices=DTYPES,
         help="--engine vllm: the model's and the KV cache's dtype (default float32, the "
         "reference engine's; vLLM's own default on a CPU with bfloat16 is bfloat16)",
+    )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--engine vllm: workers, each holding a shard of the heads (default 1; on the CPU "
+        "each bound to its share of the cores; recovery runs with 1 only)",
     )
     access = serve.add_argument_group("listening and access")
     access.add_argument("--host", default="127.0.0.1", help="the address to listen on")

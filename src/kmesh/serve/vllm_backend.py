@@ -15,6 +15,8 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kmesh.compute.loader import load_tokenizer
 from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.serve.branches import prefix_shared_branches
@@ -24,6 +26,7 @@ from kmesh.vllm.config import (
     ALLOCATOR_ENV,
     DEFAULT_DTYPE,
     DEFAULT_KV_CACHE_BYTES,
+    cpu_thread_binding,
     vllm_engine_kwargs,
 )
 
@@ -38,6 +41,8 @@ class VLLMBackend:
         heap_reserve_bytes: the worker's heap reserve (None: half the KV cache; 0: none).
         kv_cache_bytes: vLLM's KV cache (None: kmesh.vllm.config's default, 1 GiB).
         dtype: the model's and the KV cache's, "float32" or "bfloat16".
+        tensor_parallel_size: vLLM's workers, each with a shard of the heads (on the CPU, each
+            bound to its share of this process's cores unless VLLM_CPU_OMP_THREADS_BIND says).
     """
 
     engine = "vllm"
@@ -51,6 +56,7 @@ class VLLMBackend:
         heap_reserve_bytes: int | None = None,
         kv_cache_bytes: int | None = None,
         dtype: str = DEFAULT_DTYPE,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self._engine_kwargs = vllm_engine_kwargs(
             model,
@@ -59,7 +65,11 @@ class VLLMBackend:
             heap_reserve_bytes=heap_reserve_bytes,
             kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
             dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
         )
+        self._binding = None
+        if tensor_parallel_size > 1 and not torch.cuda.is_available():  # vLLM's CPU platform
+            self._binding = cpu_thread_binding(tensor_parallel_size)
         path = Path(self._engine_kwargs["model"])
         self.model_id = path.name
         self.tokenizer = load_tokenizer(path)
@@ -75,6 +85,8 @@ class VLLMBackend:
 
         for name, value in ALLOCATOR_ENV.items():  # the engine's processes inherit it
             os.environ.setdefault(name, value)
+        if self._binding is not None:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self._binding)
         # Its worker (kmesh/vllm/worker.py) attaches recovery to vLLM's own loaded model.
         self._llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**self._engine_kwargs), stat_loggers=[load_logger(self._set_load)]

@@ -92,12 +92,14 @@ def vllm_engine_kwargs(
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     dtype: str = DEFAULT_DTYPE,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    tensor_parallel_size: int = 1,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` on the given model folder (the
     embedded model when None). `connector=False` gives vanilla vLLM with the same settings.
     `dtype` is the model's and the KV cache's (recovery runs in "float32" or "bfloat16");
-    `block_size` vLLM's page size in tokens (its CPU backend takes multiples of 32)."""
+    `block_size` vLLM's page size in tokens (its CPU backend takes multiples of 32);
+    `tensor_parallel_size` its workers, each with a shard of the heads (check_tensor_parallel)."""
     if dtype not in DTYPES:
         raise InvalidRequestError(f"the dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if block_size < 32 or block_size % 32:
@@ -105,8 +107,9 @@ def vllm_engine_kwargs(
             f"vLLM's CPU backend needs a block size that is a multiple of 32, got {block_size}"
         )
     folder = resolve_model_dir(model)
-    if connector:
-        ModelConfig.from_folder(folder)  # a model KMesh cannot run: refused here, in one line
+    if connector or tensor_parallel_size != 1:
+        # A model KMesh cannot run, or cannot split: refused here, in one line.
+        check_tensor_parallel(ModelConfig.from_folder(folder), folder.name, tensor_parallel_size)
     kwargs: dict[str, Any] = {
         "model": str(folder),
         "dtype": dtype,
@@ -117,11 +120,47 @@ def vllm_engine_kwargs(
         "block_size": block_size,
         "seed": 0,
     }
+    if tensor_parallel_size != 1:
+        kwargs["tensor_parallel_size"] = tensor_parallel_size
     if connector:
         kwargs["kv_transfer_config"] = kv_transfer_config(store, recovery_bytes, heap_reserve_bytes)
         kwargs["worker_cls"] = WORKER
     kwargs.update(overrides)
     return kwargs
+
+
+def check_tensor_parallel(config: ModelConfig, name: str, workers: int) -> None:
+    """InvalidRequestError, in one line, unless `workers` tensor-parallel workers can split the
+    model: each takes a whole share of the query heads, and of the KV heads (or, where there are
+    fewer KV heads than workers, vLLM gives each worker a copy of one)."""
+    if workers < 1:
+        raise InvalidRequestError(f"--tensor-parallel-size must be 1 or more, got {workers}")
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    splits = kv_heads % workers == 0 if kv_heads >= workers else workers % kv_heads == 0
+    if heads % workers or not splits:
+        raise InvalidRequestError(
+            f"{name} has {heads} attention heads and {kv_heads} KV heads, which "
+            f"{workers} tensor-parallel workers cannot split evenly: pick a size that divides "
+            "them"
+        )
+
+
+def cpu_thread_binding(workers: int, cores: int | None = None) -> str:
+    """vLLM's CPU backend's VLLM_CPU_OMP_THREADS_BIND for `workers` tensor-parallel workers: the
+    cores this process may use, split into as many shares ("0|1", "0,1,2,3|4,5,6,7"); without
+    it, vLLM refuses to bind more than one worker's threads. InvalidRequestError when there are
+    fewer cores than workers."""
+    import os
+
+    available = sorted(os.sched_getaffinity(0)) if cores is None else list(range(cores))
+    if len(available) < workers:
+        raise InvalidRequestError(
+            f"{workers} tensor-parallel workers on vLLM's CPU backend need a core each; this "
+            f"process may use {len(available)}"
+        )
+    share = len(available) // workers
+    shares = [available[worker * share : (worker + 1) * share] for worker in range(workers)]
+    return "|".join(",".join(str(core) for core in mine) for mine in shares)
 
 
 def vllm_server_args(kwargs: dict[str, Any]) -> list[str]:

@@ -1,0 +1,110 @@
+"""The vLLM side of tests/vllm/test_tensor_parallel.py, run as its own process (vLLM spawns its
+workers: a main guard): `python tests/vllm/tp_job.py OUT_DIR NAME=FOLDER ...`. Writes
+OUT_DIR/result.json: per model, what engines with KMeshConnector at tensor_parallel_size=2 on
+vLLM's CPU backend (each worker bound to one core: VLLM_CPU_OMP_THREADS_BIND="0|1") did, in
+float32, on random token ids:
+
+- `plain`: each prompt under a cache_salt of its own and without a `kmesh` object (vLLM mixes the
+  salt into its first block's hash, and the store keys and page tails are per salt: nothing is
+  reused), in the first engine: plain vLLM's computation at the same parallel size.
+- `kmesh`: the fork of tests/vllm/families_job.py (three branches over a trunk of two whole pages
+  and 6 rows of a third: the first alone, then the others reusing its pages and its page tail),
+  then `extend` (the first branch's prompt and output, then more: its kept tail), in the same
+  engine. Each worker copies its own shard of the heads.
+- `restored`: the second branch in a second engine, also at tensor_parallel_size=2, on the same
+  store, after the first has stopped: the trunk's whole pages come from the store, each worker
+  loading its shard of the entries the first engine's first rank wrote.
+An entry restored at another parallel size is refused by its meta; tests/vllm/
+test_connector_sides.py checks that without an engine.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.vllm.families_job import BRANCHES, EXTRA, MAX_TOKENS, SUFFIX, TRUNK, fork, tokens
+
+PARALLEL = 2
+
+
+def engine(folder: str, store: str) -> Any:
+    from vllm import LLM
+
+    from kmesh.vllm.config import vllm_engine_kwargs
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker
+    kwargs = vllm_engine_kwargs(
+        folder,
+        store=store,
+        max_model_len=1024,
+        kv_cache_bytes=64 << 20,
+        tensor_parallel_size=PARALLEL,
+    )
+    return LLM(**kwargs)
+
+
+def model(folder: str, out_dir: Path) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from kmesh.store.process import start_store
+
+    store = start_store(out_dir, capacity="256M")
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    trunk = tokens(TRUNK, 1)
+    branches = [trunk + tokens(SUFFIX, 10 + b) for b in range(BRANCHES)]
+
+    def params(kmesh: dict | None) -> Any:
+        p = greedy.clone()
+        if kmesh is not None:
+            p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
+        return p
+
+    def outcome(ids: list[int], out: Any) -> dict:
+        return {"ids": list(out.outputs[0].token_ids), **out.kv_transfer_params["kmesh"]}
+
+    def run(llm: Any, ids: list[int], salt: str | None = None) -> dict:
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        return outcome(ids, llm.generate([prompt], greedy, use_tqdm=False)[0])
+
+    def stop(llm: Any) -> None:
+        llm.llm_engine.engine_core.shutdown()
+
+    result: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        first = engine(folder, store.socket)
+        plain = {f"b{b}": run(first, p, salt=f"plain:b{b}") for b, p in enumerate(branches)}
+        extend = branches[0] + plain["b0"]["ids"] + tokens(EXTRA, 20)
+        plain["extend"] = run(first, extend, salt="plain:extend")
+        kmesh = fork(first, trunk, branches, params, outcome)
+        kmesh["extend"] = run(first, extend)
+        stop(first)
+        second = engine(folder, store.socket)
+        kmesh["restored"] = run(second, branches[1])
+        stop(second)
+        result |= {"plain": plain, "kmesh": kmesh}
+    finally:
+        store.stop()
+    result["total_s"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def main(out_dir: Path, specs: list[str]) -> None:
+    result = {}
+    for spec in specs:
+        name, _, folder = spec.partition("=")
+        (out_dir / name).mkdir()
+        result[name] = model(folder, out_dir / name)
+    (out_dir / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
