@@ -19,10 +19,17 @@ Tolerances (float32; the GPU runs matmuls in full float32, TF32 off, torch's def
   must be bit-identical through restore; keys are turned by cos/sin that the two devices round
   differently (1e-6 relative).
 - greedy decoding from the GPU's and the CPU's prefill gives the same tokens.
+- vLLM's GPU attention pages (kmesh/vllm/split_pages.py) in every KV cache layout, on device
+  tensors laid out as vLLM lays them (tests/kv_layouts.py, checked against vLLM where it is
+  installed): rows written read back bit for bit and sit where FlashAttention reads them; a page
+  crosses host staging (kmesh/vllm/staging.py: pinned memory, a side stream) from a shared-memory
+  segment byte for byte; recovery's rows, computed on the device, land in a FlashAttention-layout
+  cache unchanged.
 """
 
 import os
 from functools import cache
+from multiprocessing import shared_memory
 from typing import Any
 
 import pytest
@@ -36,6 +43,9 @@ from kmesh.kv.master_mirror import Master, MasterSegment, Mirror
 from kmesh.kv.mirror_restore import restore
 from kmesh.recovery.collective import SiblingInput, recover_round
 from kmesh.recovery.recover import RecoveryConfig, RegionInput, recover
+from kmesh.vllm.split_pages import SplitPages
+from kmesh.vllm.staging import Staging
+from tests.kv_layouts import LAYOUTS, layer_view_order, layer_views
 
 DEVICE = os.environ.get("KMESH_TEST_DEVICE", "cuda")
 
@@ -155,7 +165,9 @@ def region(executor: Executor, model: str, noise: float) -> tuple[RegionInput, t
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("policy", ["full", "kv_deviation", "first_k", "random"])
+@pytest.mark.parametrize(
+    "policy", ["full", "kv_deviation", "first_k", "query", "first_k+query", "random"]
+)
 def test_recovery_on_the_device_chooses_and_computes_what_the_cpu_does(model, policy):
     cpu, device = executors(model)
     cfg = RecoveryConfig(policy, 0.3, check_layer=1, gate=None)
@@ -249,3 +261,76 @@ def test_restore_on_the_device_turns_keys_as_the_cpu_and_copies_values_bit_for_b
     k_device, v_device = restored(DEVICE)
     assert torch.equal(v_device.cpu(), v_cpu)
     assert cross_error(k_cpu, k_device) < 1e-5
+
+
+PAGE_SHAPE = (3, 6, 2, 16, 2 * 64)  # layers, blocks, KV heads, block size, K|V of head size 64
+
+
+def split_pages(layout: str, dtype: torch.dtype = torch.float32) -> SplitPages:
+    views = layer_views(layout, PAGE_SHAPE, dtype, DEVICE)
+    return SplitPages(views, PAGE_SHAPE[3], layer_view_order(layout))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_pages_in_every_layout_hold_rows_where_flash_attention_reads_them(layout, dtype):
+    pages = split_pages(layout, dtype)
+    layers, _, heads, block, content = PAGE_SHAPE
+    block_ids, positions = [5, 0, 3], torch.tensor([0, 1, 15, 16, 31, 40, 47])
+    gen = torch.Generator().manual_seed(8)
+    k = torch.randn(layers, len(positions), heads, content // 2, generator=gen).to(dtype)
+    v = torch.randn(layers, len(positions), heads, content // 2, generator=gen).to(dtype)
+    pages.write(block_ids, positions, k, v)
+    got_k, got_v = pages.read(block_ids, positions)
+    assert got_k.device.type == torch.device(DEVICE).type
+    assert torch.equal(got_k.cpu(), k) and torch.equal(got_v.cpu(), v)
+    for layer, view in enumerate(pages.layers):
+        key_cache, _ = view.transpose(1, 2).split(content // 2, dim=-1)  # FlashAttention's
+        for i, position in enumerate(positions.tolist()):
+            row = key_cache[block_ids[position // block], position % block]
+            assert torch.equal(row.cpu(), k[layer, i])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_page_crosses_host_staging_from_a_shared_memory_segment_byte_for_byte(layout):
+    source = split_pages(layout)
+    for view in source.layers:
+        view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(9)))
+    layers = PAGE_SHAPE[0]
+    staging = Staging(torch.device(DEVICE))
+    data = staging.to_host([source.page(layer, 2) for layer in range(layers)])
+    assert data.is_pinned() == (torch.device(DEVICE).type == "cuda")
+    segment = shared_memory.SharedMemory(create=True, size=data.numel())
+    try:
+        segment.buf[:] = data.numpy().tobytes()  # the entry, as the store keeps it
+        stored = torch.frombuffer(segment.buf, dtype=torch.uint8)
+        target = split_pages(layout)
+        staging.to_pages(stored, [target.page(layer, 4) for layer in range(layers)])
+        staging.wait()
+        if torch.device(DEVICE).type == "cuda":
+            torch.cuda.synchronize()
+        for src, dst in zip(source.layers, target.layers, strict=True):
+            assert torch.equal(src[2], dst[4]) and not dst[2].any()
+        back = staging.to_host([target.page(layer, 4) for layer in range(layers)])
+        assert torch.equal(back, stored)
+        del stored
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_recovered_rows_land_in_a_flash_attention_layout_cache_unchanged(model):
+    cpu, device = executors(model)
+    config = device.config
+    cfg = RecoveryConfig("first_k", 0.3, check_layer=1, gate=None)
+    (on_device,) = recover(device, [region(device, model, 0.05)[0]], cfg)
+    (on_cpu,) = recover(cpu, [region(cpu, model, 0.05)[0]], cfg)
+    shape = (config.num_layers, 8, config.num_kv_heads, 16, 2 * config.head_dim)
+    views = layer_views("LBNHC", shape, torch.float32, DEVICE)  # FlashAttention's preference
+    pages = SplitPages(views, 16, layer_view_order("LBNHC"))
+    block_ids, positions = [7, 2, 5, 0, 1, 6, 3, 4], torch.arange(32, 128)
+    pages.write(block_ids, positions, on_device.k, on_device.v)
+    got_k, got_v = pages.read(block_ids, positions)
+    assert torch.equal(got_k, on_device.k) and torch.equal(got_v, on_device.v)
+    assert cross_error(on_cpu.k, got_k) < REL_CROSS and cross_error(on_cpu.v, got_v) < REL_CROSS

@@ -51,26 +51,28 @@ def test_rerotation_on_the_real_model(real_model):
         assert ((moved - k_q[layer]).abs().max() / scale).item() < 1e-3
 
 
-def test_bfloat16_keys_are_turned_in_float32_and_rounded_once(tiny):
-    """A bfloat16 KV cache's keys stay bfloat16 and move as their float32 values do, rounded once:
-    bit for bit the float32 turn rounded to bfloat16. Against the float32 turn of the unrounded
-    keys that is two bfloat16 roundings (of the key, of the turned key), each at most 2^-8 of an
-    element, hence of its pair's norm, which the turn preserves: within 2^-7 of the pair norm."""
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.bfloat16, 2**-7), (torch.float16, 2**-10)])
+def test_half_precision_keys_are_turned_in_float32_and_rounded_once(tiny, dtype, bound):
+    """A bfloat16 or float16 KV cache's keys stay in its dtype and move as their float32 values
+    do, rounded once: bit for bit the float32 turn rounded to the dtype. Against the float32 turn
+    of the unrounded keys that is two roundings (of the key, of the turned key), each at most the
+    dtype's unit roundoff (bfloat16 2^-8, float16 2^-11) of an element, hence of its pair's norm,
+    which the turn preserves: within twice that of the pair norm."""
     executor, _ = tiny
     keys, positions = keys_at(executor, random_tokens(24, seed=4), 100)
     keys = torch.stack(keys)  # [layers, n, kv_heads, head_dim]
     to = positions + 2900
-    rounded = keys.bfloat16()
+    rounded = keys.to(dtype)
     moved = rerotate_keys(rounded, positions, to, executor.config)
-    assert moved.dtype == torch.bfloat16
+    assert moved.dtype == dtype
     assert torch.equal(
-        moved, rerotate_keys(rounded.float(), positions, to, executor.config).bfloat16()
+        moved, rerotate_keys(rounded.float(), positions, to, executor.config).to(dtype)
     )
     reference = rerotate_keys(keys, positions, to, executor.config)
-    assert ((moved.float() - reference).abs() <= 2**-7 * rope_pair_norms(keys) + 1e-6).all()
+    assert ((moved.float() - reference).abs() <= bound * rope_pair_norms(keys) + 1e-6).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rope_half_by_half_rounds_as_the_whole_formula_does(dtype):
     # apply_rope adds rotate_half(x) * sin one half at a time to save temporaries; the result
     # must be x * cos + rotate_half(x) * sin bit for bit (vLLM's exactness rests on it).

@@ -512,9 +512,7 @@ def test_worker_reports_an_entry_of_another_layout_as_a_load_error(store):
     assert target.take_load_errors() == {5}
 
 
-def test_an_entry_stored_at_another_tensor_parallel_size_is_refused_with_its_reason(
-    store, caplog
-):
+def test_an_entry_stored_at_another_tensor_parallel_size_is_refused_with_its_reason(store, caplog):
     from dataclasses import replace
 
     from kmesh.store.segments import encode_meta

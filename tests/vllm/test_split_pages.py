@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kmesh.vllm.pages import page_format
 from kmesh.vllm.split_pages import SplitPages
 from kmesh.vllm.staging import Staging
+from tests import kv_layouts
 
 BLOCK, HEADS, DIM, BLOCKS, LAYERS = 16, 2, 8, 5, 3
 LAYOUTS = [layout.name for layout in KVCacheLayout]
@@ -48,7 +49,7 @@ def rows(n: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_land_where_the_backends_kernels_read_them(layout, dtype):
     views = vllm_views(layout, dtype)
-    pages = SplitPages(views, BLOCK, layout)
+    pages = SplitPages(views, BLOCK, KVCacheLayout[layout].layer_view_order)
     block_ids = [4, 0, 2]
     positions = torch.tensor([0, 1, 15, 16, 30, 33, 47])
     k, v = rows(len(positions), dtype)
@@ -70,9 +71,9 @@ def test_a_page_taken_and_put_back_is_byte_identical_and_in_memory_order(layout)
     source = vllm_views(layout)
     for view in source:
         view.copy_(torch.randn(view.shape))
-    taken = SplitPages(source, BLOCK, layout)
+    taken = SplitPages(source, BLOCK, KVCacheLayout[layout].layer_view_order)
     target = vllm_views(layout)
-    put = SplitPages(target, BLOCK, layout)
+    put = SplitPages(target, BLOCK, KVCacheLayout[layout].layer_view_order)
     staging = Staging(torch.device("cpu"))
     data = staging.to_host([taken.page(layer, 3) for layer in range(LAYERS)])
     staging.to_pages(data, [put.page(layer, 1) for layer in range(LAYERS)])
@@ -82,6 +83,14 @@ def test_a_page_taken_and_put_back_is_byte_identical_and_in_memory_order(layout)
     page = taken.page(0, 3)  # a block-compact layout's page is one run of memory, in order
     assert page.is_contiguous() == KVCacheLayout[layout].is_block_compact
     assert page.data_ptr() == source[0][3].data_ptr()
+
+
+def test_the_torch_only_layouts_of_the_gpu_check_are_vllms():
+    assert {layout.name: layout.value for layout in KVCacheLayout} == kv_layouts.LAYOUTS
+    for layout in LAYOUTS:
+        ours = kv_layouts.layer_views(layout, (LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM))
+        for mine, theirs in zip(ours, vllm_views(layout), strict=True):
+            assert mine.shape == theirs.shape and mine.stride() == theirs.stride()
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,13 @@ bound to one core), against plain vLLM at the same parallel size: Qwen 2.5's tin
 query heads, 2 KV heads: one per worker) in the default suite, Gemma 3 270M (one KV head, which
 vLLM replicates on both workers) with -m gemma. tp_job.py says what each engine runs: a fork with
 exact prefix sharing and page tails, a kept tail, and a restore into a second engine on the same
-store; every worker copies its shard, the first rank writes the stored entries.
+store, on English text; every worker copies its shard, the first rank writes the stored entries.
 
 Greedy tokens must equal plain vLLM's exactly (float32, one engine's kernels on both sides).
 Recovery does not run under tensor parallelism (tests/vllm/test_recovery_support.py: refused up
 front, vLLM computes); an entry stored at another parallel size is refused by its meta
-(tests/vllm/test_connector_sides.py). Measured on 2 cores: about 40 s per engine start, 2 minutes
-for the tiny model's job.
+(tests/vllm/test_connector_sides.py). Measured on 2 cores: the tiny model's job 49 s (two engine
+starts), Gemma 3 270M's 74 s.
 """
 
 import pytest
@@ -60,10 +60,12 @@ def test_greedy_tokens_equal_plain_vllms_at_the_same_parallel_size(result):
 @pytest.mark.parametrize("model", MODELS)
 def test_fork_branches_share_the_trunks_pages_and_page_tail_on_every_worker(result):
     assert result["kmesh"]["b0"]["computed_tokens"] == TRUNK + SUFFIX
+    shared = result["shared"]  # the trunk and the questions' common start
+    assert TRUNK <= shared < TRUNK + SUFFIX
     for b in range(1, BRANCHES):
         got = result["kmesh"][f"b{b}"]
-        assert got["reused_tokens"] == TRUNK and got["page_tail_tokens"] == TRUNK - TRUNK_PAGES
-        assert got["computed_tokens"] == SUFFIX
+        assert got["reused_tokens"] == shared and got["page_tail_tokens"] == shared - TRUNK_PAGES
+        assert got["computed_tokens"] == TRUNK + SUFFIX - shared
     extend = result["kmesh"]["extend"]
     assert extend["page_tail_tokens"] > 0
     assert extend["computed_tokens"] < extend["prompt_tokens"] - TRUNK

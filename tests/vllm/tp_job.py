@@ -2,13 +2,15 @@
 workers: a main guard): `python tests/vllm/tp_job.py OUT_DIR NAME=FOLDER ...`. Writes
 OUT_DIR/result.json: per model, what engines with KMeshConnector at tensor_parallel_size=2 on
 vLLM's CPU backend (each worker bound to one core: VLLM_CPU_OMP_THREADS_BIND="0|1") did, in
-float32, on random token ids:
+float32, on prompts of English text cut to the token counts of families_job.py (a model with real
+weights then writes text, not one token over and over):
 
 - `plain`: each prompt under a cache_salt of its own and without a `kmesh` object (vLLM mixes the
   salt into its first block's hash, and the store keys and page tails are per salt: nothing is
   reused), in the first engine: plain vLLM's computation at the same parallel size.
 - `kmesh`: the fork of tests/vllm/families_job.py (three branches over a trunk of two whole pages
-  and 6 rows of a third: the first alone, then the others reusing its pages and its page tail),
+  and 6 rows of a third: the first alone, then the others reusing its pages and its page tail, as
+  far as their prompts agree: `shared` tokens, the trunk and the questions' common start),
   then `extend` (the first branch's prompt and output, then more: its kept tail), in the same
   engine. Each worker copies its own shard of the heads.
 - `restored`: the second branch in a second engine, also at tensor_parallel_size=2, on the same
@@ -28,9 +30,33 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.vllm.families_job import BRANCHES, EXTRA, MAX_TOKENS, SUFFIX, TRUNK, fork, tokens
+from tests.vllm.families_job import BRANCHES, EXTRA, MAX_TOKENS, SUFFIX, TRUNK, fork
 
 PARALLEL = 2
+TRUNK_TEXT = (
+    "The council of the river towns met at dawn in the old mill. Each delegate brought a "
+    "proposal for the new bridge: where it should stand, how many lanterns it should carry, "
+    "and who would keep the toll. The miller spoke first and argued for the narrow crossing "
+    "near the weir, where the banks are stone and the current is slow in summer."
+)
+QUESTIONS = [
+    " Question: which crossing did the miller favour, and why? Answer in one sentence:",
+    " Question: what three things did each proposal have to settle? Answer briefly:",
+    " Question: where and when did the council meet? Answer in a few words:",
+]
+MORE = " Then the ferryman stood up and disagreed with all of them, loudly."
+
+
+def prompts(folder: str) -> tuple[list[int], list[list[int]], list[int]]:
+    """The trunk (TRUNK tokens), the branches (trunk + SUFFIX tokens each) and EXTRA more."""
+    from kmesh.compute.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(folder))
+    trunk = tokenizer(TRUNK_TEXT).input_ids[:TRUNK]
+    suffixes = [tokenizer(q, add_special_tokens=False).input_ids[:SUFFIX] for q in QUESTIONS]
+    more = tokenizer(MORE, add_special_tokens=False).input_ids[:EXTRA]
+    assert len(trunk) == TRUNK and all(len(s) == SUFFIX for s in suffixes) and len(more) == EXTRA
+    return trunk, [trunk + suffix for suffix in suffixes[:BRANCHES]], more
 
 
 def engine(folder: str, store: str) -> Any:
@@ -56,8 +82,7 @@ def model(folder: str, out_dir: Path) -> dict[str, Any]:
 
     store = start_store(out_dir, capacity="256M")
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    trunk = tokens(TRUNK, 1)
-    branches = [trunk + tokens(SUFFIX, 10 + b) for b in range(BRANCHES)]
+    trunk, branches, more = prompts(folder)
 
     def params(kmesh: dict | None) -> Any:
         p = greedy.clone()
@@ -82,7 +107,7 @@ def model(folder: str, out_dir: Path) -> dict[str, Any]:
     try:
         first = engine(folder, store.socket)
         plain = {f"b{b}": run(first, p, salt=f"plain:b{b}") for b, p in enumerate(branches)}
-        extend = branches[0] + plain["b0"]["ids"] + tokens(EXTRA, 20)
+        extend = branches[0] + plain["b0"]["ids"] + more
         plain["extend"] = run(first, extend, salt="plain:extend")
         kmesh = fork(first, trunk, branches, params, outcome)
         kmesh["extend"] = run(first, extend)
@@ -90,7 +115,8 @@ def model(folder: str, out_dir: Path) -> dict[str, Any]:
         second = engine(folder, store.socket)
         kmesh["restored"] = run(second, branches[1])
         stop(second)
-        result |= {"plain": plain, "kmesh": kmesh}
+        shared = next(i for i, t in enumerate(zip(*branches, strict=True)) if len(set(t)) > 1)
+        result |= {"plain": plain, "kmesh": kmesh, "shared": shared}
     finally:
         store.stop()
     result["total_s"] = round(time.monotonic() - started, 1)

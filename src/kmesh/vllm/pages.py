@@ -108,10 +108,12 @@ def pages_for(
     names: Sequence[str],
 ) -> Pages:
     """The Pages of a page format (page_format) over vLLM's per-layer views."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
     from kmesh.vllm.cpu_pages import CpuPages
     from kmesh.vllm.split_pages import SplitPages
 
     kind, layout = format_.split(":")
     if kind == "cpu":
         return CpuPages(layers, block_size, [attention_layers[name] for name in names])
-    return SplitPages(layers, block_size, layout)
+    return SplitPages(layers, block_size, KVCacheLayout[layout].layer_view_order)

@@ -7,25 +7,28 @@ Each layer's view is [blocks, kv_heads, block_size, 2 * head_size], and its kern
 values [head_size:]. Where those bytes lie is the engine's KV cache layout (KVCacheLayout: the
 view's strides, set by vLLM's `create_kv_cache_views`); rows are read and written through the
 view, so every one of the six layouts is the same code, and a page is handed out permuted to its
-memory order (KVCacheLayout.layer_view_order without the block axis).
+memory order (`layer_view_order`: KVCacheLayout's of the engine, read by pages.pages_for).
 
 Reads and writes index the view on its device (no vLLM op: the backends' own cache-write kernels
-exist on GPUs only); rows are written rounded to the cache's dtype.
+exist on GPUs only); rows are written rounded to the cache's dtype. Torch alone: tests/test_cuda.py
+runs it on a GPU without vLLM.
 """
 
 from collections.abc import Sequence
 
 import torch
-from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kmesh.vllm.pages import Pages
 
 
 class SplitPages(Pages):
-    def __init__(self, layers: Sequence[torch.Tensor], block_size: int, layout: str) -> None:
+    def __init__(
+        self, layers: Sequence[torch.Tensor], block_size: int, layer_view_order: Sequence[int]
+    ) -> None:
+        """`layer_view_order`: the memory order of a layer's [block, head, token, content] axes
+        (vLLM's KVCacheLayout.layer_view_order)."""
         super().__init__(layers, block_size)
-        order = KVCacheLayout[layout].layer_view_order  # [block, head, token, content] axes
-        self._page_order = tuple(axis - 1 for axis in order if axis != 0)
+        self._page_order = tuple(axis - 1 for axis in layer_view_order if axis != 0)
         self.head_size = self.layers[0].shape[-1] // 2
 
     def page(self, layer: int, block: int) -> torch.Tensor:
