@@ -20,13 +20,18 @@ class Staging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._loads = torch.empty(0, dtype=torch.uint8)  # pinned on a GPU
+        pinned = self.stream is not None
+        self._saves = torch.empty(0, dtype=torch.uint8, pin_memory=pinned)
+        self._loads = torch.empty(0, dtype=torch.uint8, pin_memory=pinned)
         self._used = 0  # bytes of _loads this step's loads occupy
 
     def to_host(self, pages: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The pages' bytes, one after another, in one host tensor of their own."""
+        """The pages' bytes, one after another, in host memory (pinned on a GPU) that the next
+        call reuses: write them out before calling again."""
         nbytes = sum(page.numel() * page.element_size() for page in pages)
-        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.stream is not None)
+        if nbytes > self._saves.numel():
+            self._saves = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.stream is not None)
+        out = self._saves[:nbytes]
         if self.stream is None:
             _copy_out(pages, out)
             return out
