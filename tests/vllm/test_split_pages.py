@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kmesh.vllm.pages import page_format
+from kmesh.vllm.page_formats import page_format
 from kmesh.vllm.split_pages import SplitPages
 from kmesh.vllm.staging import Staging
 from tests import kv_layouts

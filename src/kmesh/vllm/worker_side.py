@@ -39,7 +39,8 @@ from kmesh.vllm.metadata import (
     KMeshWorkerMetadata,
     TenantKey,
 )
-from kmesh.vllm.pages import Pages, page_format, pages_for
+from kmesh.vllm.page_formats import page_format, pages_for
+from kmesh.vllm.pages import Pages
 from kmesh.vllm.shards import Shards
 from kmesh.vllm.staging import Staging
 
