@@ -54,6 +54,22 @@ BRANCHES = 3
 COUNCIL_SALT = "kmesh-approx:council"
 
 
+def with_kmesh(greedy: Any, kmesh: dict | None) -> Any:
+    """`greedy` (vLLM's SamplingParams) carrying a `kmesh` object to the connector, if any."""
+    params = greedy.clone()
+    if kmesh is not None:
+        params.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
+    return params
+
+
+def prompt_of(ids: list[int], salt: str | None = None) -> dict[str, Any]:
+    """A token prompt, under its own cache_salt when given (plain vLLM's computation)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    return prompt
+
+
 def tokens(n: int, seed: int) -> list[int]:
     import torch
 
@@ -165,20 +181,14 @@ def family(name: str, folder: str, out_dir: Path) -> dict[str, Any]:
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
         def params(kmesh: dict | None) -> Any:
-            p = greedy.clone()
-            if kmesh is not None:
-                p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
-            return p
+            return with_kmesh(greedy, kmesh)
 
         def outcome(ids: list[int], out: Any) -> dict:
             got = {"ids": list(out.outputs[0].token_ids), **out.kv_transfer_params["kmesh"]}
             return got | {"rows": recorder.rows.pop(tuple(ids))}
 
         def run(ids: list[int], salt: str | None = None) -> dict:
-            prompt: dict[str, Any] = {"prompt_token_ids": ids}
-            if salt is not None:
-                prompt["cache_salt"] = salt
-            return outcome(ids, llm.generate([prompt], greedy, use_tqdm=False)[0])
+            return outcome(ids, llm.generate([prompt_of(ids, salt)], greedy, use_tqdm=False)[0])
 
         trunk = tokens(TRUNK, 1)
         branches = [trunk + tokens(SUFFIX, 10 + b) for b in range(BRANCHES)]
@@ -268,19 +278,13 @@ def council(llm: Any, greedy: Any) -> dict[str, Any]:
         recovery = {"policy": "kv_deviation", "ratio": 0.0, "gate": None}
         recovery["round"] = {"id": "r1", "segments": ids}
         kmesh.append({"family": "council", "segments": segments, "recovery": recovery})
-    params = []
-    for spec in kmesh:
-        p = greedy.clone()
-        p.extra_args = {"kv_transfer_params": {"kmesh": spec}}
-        params.append(p)
-    requests = [{"prompt_token_ids": p, "cache_salt": COUNCIL_SALT} for p in prompts]
+    params = [with_kmesh(greedy, spec) for spec in kmesh]
+    requests = [prompt_of(p, COUNCIL_SALT) for p in prompts]
     outs = llm.generate(requests, params, use_tqdm=False)
     siblings = [
         {"ids": list(o.outputs[0].token_ids), **o.kv_transfer_params["kmesh"]} for o in outs
     ]
-    first = llm.generate(
-        [{"prompt_token_ids": prompts[0], "cache_salt": "plain:council"}], greedy, use_tqdm=False
-    )[0]
+    first = llm.generate([prompt_of(prompts[0], "plain:council")], greedy, use_tqdm=False)[0]
     return {"council": siblings, "council_plain_first": list(first.outputs[0].token_ids)}
 
 

@@ -30,7 +30,16 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.vllm.families_job import BRANCHES, EXTRA, MAX_TOKENS, SUFFIX, TRUNK, fork
+from tests.vllm.families_job import (
+    BRANCHES,
+    EXTRA,
+    MAX_TOKENS,
+    SUFFIX,
+    TRUNK,
+    fork,
+    prompt_of,
+    with_kmesh,
+)
 
 PARALLEL = 2
 TRUNK_TEXT = (
@@ -85,19 +94,13 @@ def model(folder: str, out_dir: Path) -> dict[str, Any]:
     trunk, branches, more = prompts(folder)
 
     def params(kmesh: dict | None) -> Any:
-        p = greedy.clone()
-        if kmesh is not None:
-            p.extra_args = {"kv_transfer_params": {"kmesh": kmesh}}
-        return p
+        return with_kmesh(greedy, kmesh)
 
     def outcome(ids: list[int], out: Any) -> dict:
         return {"ids": list(out.outputs[0].token_ids), **out.kv_transfer_params["kmesh"]}
 
     def run(llm: Any, ids: list[int], salt: str | None = None) -> dict:
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if salt is not None:
-            prompt["cache_salt"] = salt
-        return outcome(ids, llm.generate([prompt], greedy, use_tqdm=False)[0])
+        return outcome(ids, llm.generate([prompt_of(ids, salt)], greedy, use_tqdm=False)[0])
 
     def stop(llm: Any) -> None:
         llm.llm_engine.engine_core.shutdown()
