@@ -47,6 +47,8 @@ class Staging:
         if self.stream is None:
             _copy_in(source, pages)
             return
+        if self._used == 0:  # the step's first load: after whatever the compute stream queued
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         staged = self._stage(source)
         with torch.cuda.stream(self.stream):
             _copy_in(staged, pages, non_blocking=True)
