@@ -61,7 +61,8 @@ class BlockLayout:
         """From vLLM's KVCacheConfig (one group that keeps every page: module docstring), the
         engine's resolved KVCacheLayout name and its tensor-parallel size; ValueError in one
         line otherwise. The page format follows the platform: vLLM's CPU attention on CPU, a
-        K|V-split page elsewhere (the worker checks its backend agrees: pages.page_format)."""
+        K|V-split page elsewhere (the worker checks that its backend agrees:
+        page_formats.page_format)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         groups = kv_cache_config.kv_cache_groups
