@@ -13,9 +13,11 @@ weights then writes text, not one token over and over):
   far as their prompts agree: `shared` tokens, the trunk and the questions' common start),
   then `extend` (the first branch's prompt and output, then more: its kept tail), in the same
   engine. Each worker copies its own shard of the heads.
-- `restored`: the second branch in a second engine, also at tensor_parallel_size=2, on the same
-  store, after the first has stopped: the trunk's whole pages come from the store, each worker
-  loading its shard of the entries the first engine's first rank wrote.
+- `restored`: the second branch after the engine's prefix cache and kept tails were dropped
+  (`reset_prefix_cache(reset_connector=True)`), or, for the models named after
+  `--second-engine`, in a second engine at tensor_parallel_size=2 on the same store once the
+  first has stopped: the trunk's whole pages come from the store, each worker loading its shard
+  of the entries the first rank wrote.
 An entry restored at another parallel size is refused by its meta; tests/vllm/
 test_connector_sides.py checks that without an engine.
 """
@@ -84,7 +86,7 @@ def engine(folder: str, store: str) -> Any:
     return LLM(**kwargs)
 
 
-def model(folder: str, out_dir: Path) -> dict[str, Any]:
+def model(folder: str, out_dir: Path, second_engine: bool) -> dict[str, Any]:
     from vllm import SamplingParams
 
     from kmesh.store.process import start_store
@@ -114,10 +116,13 @@ def model(folder: str, out_dir: Path) -> dict[str, Any]:
         plain["extend"] = run(first, extend, salt="plain:extend")
         kmesh = fork(first, trunk, branches, params, outcome)
         kmesh["extend"] = run(first, extend)
+        if second_engine:
+            stop(first)
+            first = engine(folder, store.socket)
+        else:
+            first.reset_prefix_cache(reset_connector=True)  # vLLM's pages and the kept tails go
+        kmesh["restored"] = run(first, branches[1])
         stop(first)
-        second = engine(folder, store.socket)
-        kmesh["restored"] = run(second, branches[1])
-        stop(second)
         shared = next(i for i, t in enumerate(zip(*branches, strict=True)) if len(set(t)) > 1)
         result |= {"plain": plain, "kmesh": kmesh, "shared": shared}
     finally:
@@ -126,12 +131,14 @@ def model(folder: str, out_dir: Path) -> dict[str, Any]:
     return result
 
 
-def main(out_dir: Path, specs: list[str]) -> None:
+def main(out_dir: Path, args: list[str]) -> None:
+    """`args`: NAME=FOLDER ..., then optionally --second-engine NAME ..."""
+    specs, _, second = " ".join(args).partition("--second-engine")
     result = {}
-    for spec in specs:
+    for spec in specs.split():
         name, _, folder = spec.partition("=")
         (out_dir / name).mkdir()
-        result[name] = model(folder, out_dir / name)
+        result[name] = model(folder, out_dir / name, name in second.split())
     (out_dir / "result.json").write_text(json.dumps(result))
 
 
