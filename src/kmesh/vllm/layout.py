@@ -40,6 +40,11 @@ class BlockLayout:
     tp_size: int = 1  # tensor-parallel workers, each with its shard of the KV heads
 
     @property
+    def kv_layout(self) -> str:
+        """The engine's KVCacheLayout name, the second half of the page format."""
+        return self.page_format.partition(":")[2]
+
+    @property
     def rank_bytes(self) -> int:
         """One worker's pages of one block."""
         return self.page_bytes * len(self.layer_names)

@@ -1,5 +1,5 @@
 """The pages of vLLM's GPU attention backends that keep K and V side by side in a page's content
-(FLASH_ATTN, FLASHINFER, TRITON_ATTN: page format `kv_split`; pages.py says how formats are
+(FLASH_ATTN, FLASHINFER, TRITON_ATTN: page format `kv_split`; page_formats.py says how formats are
 chosen).
 
 Each layer's view is [blocks, kv_heads, block_size, 2 * head_size], and its kernels read it as
@@ -7,7 +7,7 @@ Each layer's view is [blocks, kv_heads, block_size, 2 * head_size], and its kern
 values [head_size:]. Where those bytes lie is the engine's KV cache layout (KVCacheLayout: the
 view's strides, set by vLLM's `create_kv_cache_views`); rows are read and written through the
 view, so every one of the six layouts is the same code, and a page is handed out permuted to its
-memory order (`layer_view_order`: KVCacheLayout's of the engine, read by pages.pages_for).
+memory order (`layer_view_order`: the engine's KVCacheLayout's, read by page_formats.pages_for).
 
 Reads and writes index the view on its device (no vLLM op: the backends' own cache-write kernels
 exist on GPUs only); rows are written rounded to the cache's dtype. Torch alone: tests/test_cuda.py

@@ -82,8 +82,7 @@ class WorkerSide:
         self._layers = [kv_caches[name] for name in layout.layer_names]
         first = self._layers[0]
         backend = attention[layout.layer_names[0]].attn_backend
-        kv_layout = layout.page_format.split(":")[1]
-        found = page_format(backend, kv_layout, first.dtype)
+        found = page_format(backend, layout.kv_layout, first.dtype)
         if found != layout.page_format or first.dtype != layout.dtype:
             raise ValueError(
                 f"vLLM's KV pages are {found} of {first.dtype}; the connector expected "
