@@ -92,6 +92,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in starts_vllm)
 
 
+# Figures tests state (`stated`), gathered from every process's reports, printed at the end.
+_STATED: list[str] = []
+
+
+@pytest.fixture
+def stated(record_property) -> Callable[[str], None]:
+    """`stated(line)`: a figure the test states in pytest's summary, whether it passes or not
+    (a measured tolerance beside what it bounds; under pytest-xdist it travels in the report)."""
+
+    def state(line: str) -> None:
+        record_property("stated", line)
+
+    return state
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _STATED.extend(str(value) for name, value in report.user_properties if name == "stated")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _STATED:
+        terminalreporter.section("figures the tests stated")
+        for line in _STATED:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def tiny() -> tuple[Executor, str]:
     return tiny_executor(seed=0)

@@ -4,10 +4,13 @@ RoPE `yarn`), Qwen 3 (QK-norm), Mistral (a sliding window on every layer) and Ge
 (interleaved sliding and full layers, per-layer-type RoPE thetas, (1 + w) norms, sandwich norms,
 query_pre_attn_scalar).
 
-Every configuration keeps to what vLLM 0.32's CPU attention runs (head_dim 32 or 64, one of its
-head sizes), uses GQA, and the embedded model's tokenizer (vocab 49152, its bos/eos). Sliding
-windows (16) are shorter than the tests' prompts (48+ tokens), and the RoPE scalings change
-the frequencies at these head dims (tests/compute/test_families.py checks both). Weights are
+The shapes vary what users' models vary, so that no number in the code can hide behind one shape
+(tests/compute/test_families.py checks the spread): contexts of 2048, 4096 and 32768 positions,
+head dims from 32 to 256 (each one of vLLM 0.32's CPU attention head sizes), GQA ratios from 1
+(multi-head) to 4, and vocabularies of the tokenizer's 49152 or padded past it (as Qwen's
+embeddings are). All use the embedded model's tokenizer and its bos/eos. Sliding windows (16) are
+shorter than the tests' prompts (48+ tokens), and the RoPE scalings change the frequencies at
+these head dims (tests/compute/test_families.py checks both). Weights are
 re-drawn at std 0.1: at transformers' 0.02 the logits are nearly flat and greedy decoding
 repeats one token, which would compare nothing.
 """
@@ -29,6 +32,7 @@ from transformers import (
 )
 
 VOCAB_SIZE = 49152  # the embedded SmolLM2 tokenizer's
+PADDED_VOCAB_SIZE = VOCAB_SIZE + 128  # embedding rows no token reaches
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
 STD = 0.1
@@ -36,7 +40,6 @@ SLIDING_WINDOW = 16
 
 _COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 2048,
     "bos_token_id": BOS_TOKEN_ID,
     "eos_token_id": EOS_TOKEN_ID,
     "pad_token_id": EOS_TOKEN_ID,
@@ -44,20 +47,28 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def _config(architectures: str = "LlamaForCausalLM", **fields: Any) -> dict[str, Any]:
-    return {"architectures": [architectures], **_COMMON, **fields}
+def _config(
+    architectures: str = "LlamaForCausalLM", positions: int = 2048, **fields: Any
+) -> dict[str, Any]:
+    return {
+        "architectures": [architectures],
+        **_COMMON,
+        "max_position_embeddings": positions,
+        **fields,
+    }
 
 
 def _gemma3(**fields: Any) -> dict[str, Any]:
     return _config(
         "Gemma3ForCausalLM",
+        32768,
         hidden_size=64,
         intermediate_size=192,
         num_hidden_layers=5,
         num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=32,
-        query_pre_attn_scalar=48,
+        head_dim=256,
+        query_pre_attn_scalar=192,
         sliding_window=SLIDING_WINDOW,
         layer_types=[
             "sliding_attention",
@@ -78,12 +89,13 @@ FAMILIES: dict[str, PreTrainedConfig] = {
     # Llama 2: plain RoPE.
     "llama2": LlamaConfig(
         **_config(
+            positions=4096,
             hidden_size=64,
             intermediate_size=160,
             num_hidden_layers=2,
             num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
+            num_key_value_heads=4,
+            head_dim=128,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             tie_word_embeddings=False,
         )
@@ -93,10 +105,11 @@ FAMILIES: dict[str, PreTrainedConfig] = {
     # (theta 5e5) 2 are kept, 2 smoothed between and 12 divided by 8.
     "llama3": LlamaConfig(
         **_config(
+            positions=32768,
             hidden_size=128,
             intermediate_size=256,
             num_hidden_layers=3,
-            num_attention_heads=4,
+            num_attention_heads=8,
             num_key_value_heads=2,
             head_dim=32,
             rope_parameters={
@@ -129,10 +142,12 @@ FAMILIES: dict[str, PreTrainedConfig] = {
     "qwen2": Qwen2Config(
         **_config(
             "Qwen2ForCausalLM",
-            hidden_size=128,
+            4096,
+            vocab_size=PADDED_VOCAB_SIZE,
+            hidden_size=256,
             intermediate_size=256,
             num_hidden_layers=2,
-            num_attention_heads=4,
+            num_attention_heads=8,
             num_key_value_heads=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True,
@@ -161,12 +176,29 @@ FAMILIES: dict[str, PreTrainedConfig] = {
     "qwen3": Qwen3Config(
         **_config(
             "Qwen3ForCausalLM",
+            4096,
             hidden_size=64,
             intermediate_size=192,
             num_hidden_layers=3,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=32,
+            head_dim=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+        )
+    ),
+    # Mistral as v0.2 and later ship it: no sliding window, every layer global; head_dim 96.
+    "mistral_global": MistralConfig(
+        **_config(
+            "MistralForCausalLM",
+            2048,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=96,
+            sliding_window=None,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=False,
         )
@@ -239,7 +271,7 @@ def build_family_folder(name: str, folder: str | Path, seed: int = 0) -> Path:
     folder = Path(folder)
     config = FAMILIES[name]
     tokenizer = _tokenizer()
-    assert len(tokenizer) == config.vocab_size, (len(tokenizer), config.vocab_size)
+    assert len(tokenizer) <= config.vocab_size, (len(tokenizer), config.vocab_size)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (BOS_TOKEN_ID, EOS_TOKEN_ID)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, seed)

@@ -152,7 +152,7 @@ def test_max_tokens_past_the_context_is_refused(capsys):
     status, stderr = kmesh_in_process(["generate", "x", "--max-tokens", "1000000000"], capsys)
     assert status == 2
     assert stderr.strip().splitlines()[-1] == (
-        "kmesh: error: max_tokens=1000000000 cannot be greater than the model's context of 8192 "
+        "kmesh: error: max_tokens=1000000000 cannot be greater than the engine's context of 8192 "
         "tokens (prompt and output together). Please request fewer output tokens."
     )
     assert "Traceback" not in stderr
@@ -190,3 +190,54 @@ def test_a_model_kmesh_does_not_run_is_refused_in_one_line(
     status, err = kmesh_in_process([*command, "--model", str(tmp_path)], capsys)
     assert status == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# Every command that takes --model and starts vLLM with KMeshConnector, as a user would run it.
+VLLM_COMMANDS = (
+    ("serve", "--engine", "vllm"),
+    ("bench", "fork", "--engine", "vllm", "--mode", "best-of-n", "--json", "x.json"),
+    ("bench", "agents", "--agents", "4", "--json", "x.json"),
+    ("bench", "allgather", "--engine", "vllm", "--json", "x.json"),
+    ("bench", "tasks", "--json", "x.json"),
+    ("bench", "lora", "--engine", "vllm", "--json", "x.json"),
+    ("bench", "council", "--engine", "vllm", "--json", "x.json"),
+    ("bench", "capacity", "--json", "x.json"),
+    ("bench", "vllm-family", "--json", "x.json"),
+    ("demo",),
+)
+
+
+@pytest.mark.parametrize("command", VLLM_COMMANDS, ids=lambda c: "-".join(c[:2]))
+def test_a_model_vllm_cannot_serve_with_kmesh_is_refused_before_any_engine_starts(
+    command, family_folder, capsys
+):
+    """A sliding window on every layer: `kmesh model info`'s refusal, in one line, exit 2, from
+    the model's config alone (nothing loaded, no engine started)."""
+    folder = family_folder("mistral")
+    capsys.readouterr()  # what building it printed
+    status, stderr = kmesh_in_process([*command, "--model", str(folder)], capsys)
+    assert status == 2
+    assert stderr.splitlines() == [
+        "kmesh: error: KMeshConnector in vLLM is refused on this mistral model: every layer "
+        "attends through a sliding window, so vLLM frees the pages outside it while a request "
+        "runs; KMesh reads any page (the reference engine runs it)"
+    ]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_a_context_longer_than_the_models_is_refused_before_the_engine_starts(engine, capsys):
+    status, stderr = kmesh_in_process(
+        ["serve", "--engine", engine, "--max-model-len", "8193"], capsys
+    )
+    assert status == 2
+    assert stderr.splitlines() == [
+        "kmesh: error: --max-model-len 8193 is longer than the model's context, 8192 tokens "
+        "(max_position_embeddings in its config.json): give at most 8192"
+    ]
+
+
+def test_a_context_the_kv_cache_cannot_hold_is_refused_before_vllm_starts(capsys):
+    args = ["serve", "--engine", "vllm", "--max-model-len", "4096", "--kv-cache", "64M"]
+    status, stderr = kmesh_in_process(args, capsys)
+    assert status == 2
+    assert "does not fit the KV cache, which holds 1408 tokens" in stderr

@@ -23,7 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kmesh.bench.quality import greedy_decode
 from kmesh.compute.executor import SequenceInput
 from kmesh.compute.loader import load_model
-from tests.model_families import FAMILIES
+from tests.model_families import FAMILIES, VOCAB_SIZE
 
 ATOL = 2e-5
 STEPS = 32
@@ -123,13 +123,12 @@ def test_the_window_changes_transformers_output_on_the_prompt(family_folder, nam
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_family_keeps_to_the_sizes_vllm_runs_and_uses_its_features(name):
     config = FAMILIES[name]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     assert head_dim in CPU_HEAD_SIZES
-    assert config.num_key_value_heads < config.num_attention_heads
-    assert 64 <= config.hidden_size <= 128
+    assert config.num_attention_heads % config.num_key_value_heads == 0
+    assert 64 <= config.hidden_size <= 256
     assert 2 <= config.num_hidden_layers <= (6 if name.startswith("gemma3") else 4)
-    assert config.vocab_size == 49152
-    assert config.max_position_embeddings == 2048
+    assert config.vocab_size >= VOCAB_SIZE
     rope = config.rope_parameters
     if name.startswith("gemma3"):
         assert config.query_pre_attn_scalar != head_dim
@@ -147,6 +146,21 @@ def test_the_family_keeps_to_the_sizes_vllm_runs_and_uses_its_features(name):
             assert torch.isclose(inv_freq, plain).any()
         if rope["rope_type"] == "yarn":
             assert math.isclose(attention_factor, 0.1 * math.log(rope["factor"]) + 1)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def test_the_families_vary_what_users_models_vary():
+    """Contexts, head dims, GQA ratios and vocabularies differ across the families, so that no
+    fixed number in the code can pass by matching one shape."""
+    configs = FAMILIES.values()
+    assert {2048, 4096, 32768} <= {c.max_position_embeddings for c in configs}
+    dims = {_head_dim(c) for c in configs}
+    assert min(dims) == 32 and max(dims) == 256 and len(dims) >= 4
+    assert {1, 2, 4} <= {c.num_attention_heads // c.num_key_value_heads for c in configs}
+    assert len({c.vocab_size for c in configs}) >= 2
 
 
 def test_some_families_tie_their_embeddings_and_some_do_not():

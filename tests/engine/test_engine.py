@@ -3,7 +3,7 @@
 import pytest
 
 from kmesh.engine.request import Request, SamplingParams
-from kmesh.errors import ContractError, InvalidRequestError, OutOfBlocksError
+from kmesh.errors import ContractError, InvalidRequestError
 from tests.conftest import random_tokens
 
 GREEDY = SamplingParams(max_tokens=12)
@@ -154,10 +154,15 @@ def test_max_tokens_past_the_context_is_refused_not_clamped(make_tiny_engine):
         make_tiny_engine().add_request(Request("r", (5, 6), params))
 
 
-def test_a_request_too_big_for_the_pool_is_refused_up_front(make_tiny_engine):
+def test_the_context_is_what_the_pool_holds_a_longer_prompt_is_refused_up_front(
+    make_tiny_engine,
+):
     engine = make_tiny_engine(block_size=8, kv_cache_tokens=32)
-    with pytest.raises(OutOfBlocksError, match="kv_cache_tokens"):
-        engine.add_request(Request("r", tuple(random_tokens(30, seed=1)), GREEDY))
+    assert (engine.context.tokens, engine.context.bound) == (32, "kv cache")
+    with pytest.raises(InvalidRequestError, match="33 tokens but the engine's context is 32"):
+        engine.add_request(Request("r", tuple(random_tokens(33, seed=1)), GREEDY))
+    [out] = engine.generate([Request("r", tuple(random_tokens(30, seed=1)), GREEDY)])
+    assert (len(out.output_ids), out.finish_reason) == (2, "length")  # up to the context
 
 
 def test_a_live_request_id_cannot_be_reused(make_tiny_engine):

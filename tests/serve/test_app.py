@@ -31,7 +31,7 @@ SHARED = (
 
 @pytest.fixture(scope="module")
 def backend(real_model):
-    return ReferenceBackend(real_model, kv_cache_tokens=4096)
+    return ReferenceBackend(real_model, kv_cache_tokens=8192)  # the model's context
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +259,8 @@ BAD_COMPLETIONS = [
     ),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt: String should have at least 1 character"),
     (b'{"prompt": "caf\xe9"}', "send a JSON object in UTF-8"),  # Latin-1 bytes
-    ({"prompt": "word " * 9000}, "the model's context is 8192 tokens"),
-    ({"prompt": "word " * 9000, "stream": True}, "the model's context is 8192 tokens"),
+    ({"prompt": "word " * 9000}, "the engine's context is 8192 tokens"),
+    ({"prompt": "word " * 9000, "stream": True}, "the engine's context is 8192 tokens"),
 ]
 BAD_CHATS = [
     ({"messages": []}, "messages: List should have at least 1 item"),

@@ -5,10 +5,11 @@ One engine with KMeshConnector in bfloat16 (no store: recovery needs none), then
 bfloat16 with the same settings and no connector, on real text: a 1024-token trunk (the start of
 argparse's source) with three suffixes. Recovery with policy `full` runs on each prompt from
 scratch (every full block before the last token claimed), and once after a local prefix hit of
-half the trunk (the exact prefix then comes back from vLLM's bfloat16 pages). Vanilla runs each
-prompt cold, and the hit prompt once more after the same prefix hit: vLLM's own bfloat16 drift
-between two ways of computing one prompt. Each result holds the greedy token ids, each one's
-logprob and margin over the runner-up, and KMeshConnector's stats.
+half the trunk (the exact prefix then comes back from vLLM's bfloat16 pages). Vanilla runs the
+prompts cold in one batch, then each in other ways vLLM itself computes it (alone, after a prefix
+hit of half and of a quarter of the trunk): vLLM's own bfloat16 spread on this machine. Each
+result holds the greedy token ids, each one's logprob and margin over the runner-up, and
+KMeshConnector's stats.
 """
 
 import inspect
@@ -83,18 +84,31 @@ def with_connector() -> dict[str, Any]:
 
 
 def vanilla() -> dict[str, Any]:
+    """Each checked prompt cold, all in one batch (what KMesh is compared with), and vLLM's own
+    other ways of computing the same prompts (alone, after a prefix hit of half and of a quarter
+    of the trunk): its bfloat16 spread on this machine's kernels."""
     from vllm import LLM
 
     from kmesh.vllm.config import vllm_engine_kwargs
 
     llm = LLM(**vllm_engine_kwargs(connector=False, **OPTIONS))
     named = prompts(llm.get_tokenizer())
-    outs = llm.generate([{"prompt_token_ids": named[n]} for n in CHECKED], greedy())
-    result = {"vanilla": {n: generated(o) for n, o in zip(CHECKED, outs, strict=True)}}
-    llm.reset_prefix_cache()
-    llm.generate([{"prompt_token_ids": named["half"]}], greedy())
-    hit = llm.generate([{"prompt_token_ids": named[HIT]}], greedy())[0]
-    result["vanilla_after_local_hit"] = generated(hit)
+
+    def cold(names: tuple[str, ...]) -> dict[str, Any]:
+        outs = llm.generate([{"prompt_token_ids": named[n]} for n in names], greedy())
+        llm.reset_prefix_cache()
+        return {n: generated(o) for n, o in zip(names, outs, strict=True)}
+
+    result: dict[str, Any] = {"vanilla": cold(CHECKED)}
+    variants: dict[str, dict[str, Any]] = {"alone": {n: cold((n,))[n] for n in CHECKED}}
+    for share in (2, 4):  # after a prefix hit of half, and of a quarter, of the trunk
+        variants[f"after_hit_1/{share}"] = {}
+        for name in CHECKED:
+            llm.generate([{"prompt_token_ids": named["half"][: TRUNK_TOKENS // share]}], greedy())
+            out = llm.generate([{"prompt_token_ids": named[name]}], greedy())[0]
+            variants[f"after_hit_1/{share}"][name] = generated(out)
+            llm.reset_prefix_cache()
+    result["vanilla_variants"] = variants
     return result
 
 

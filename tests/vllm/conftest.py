@@ -1,6 +1,7 @@
 """vLLM engines run in a child process per test module (vLLM spawns workers: a job file needs a
 main guard), which writes its findings as JSON."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -30,6 +31,31 @@ def run_job(name: str, out: Path, all_cores: bool = False, args: Sequence[str] =
         env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    result: dict = json.loads((out / "result.json").read_text())
+    return result
+
+
+def shared_job(name: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The result of tests/vllm/NAME run once per test run, by whichever pytest process asks
+    first; the others wait on its lock and read the same result (under pytest-xdist every
+    process's temporary folder sits in the run's one folder). A failed job fails every module
+    that reads it with the job's output, without running it again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    stem = name.removesuffix(".py")
+    out, failed = root / f"shared-{stem}", root / f"shared-{stem}.failed"
+    with (root / f"shared-{stem}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if failed.exists():
+            pytest.fail(failed.read_text(), pytrace=False)
+        if not (out / "result.json").exists():
+            out.mkdir(exist_ok=True)
+            try:
+                return run_job(name, out)
+            except AssertionError as error:
+                failed.write_text(f"{name} failed:\n{error}")
+                raise
     result: dict = json.loads((out / "result.json").read_text())
     return result
 

@@ -32,6 +32,8 @@ Per family, on random token ids (the embedded tokenizer's vocabulary):
 - `refusals`: the bridge on the loaded model with descriptions wrong in one field each (layer
   count, a layer's window or RoPE table, the attention scale, QK-norm, sandwich norms, the norm
   style, the embedding scale, the qkv bias): what each raised.
+- `context`: the max_model_len vLLM started with (none was given: KMesh's, from the model and
+  the KV cache) and the pages vLLM's KV cache was given.
 - `council`: a collective round (approximate, under an approximate salt): three siblings read
   the same three outputs in different orders; the first is computed by KMesh's executor, the
   others mirror its KV of the outputs, re-rotated per layer's RoPE table.
@@ -168,15 +170,21 @@ def family(name: str, folder: str, out_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     try:
         started = time.monotonic()
-        kwargs = vllm_engine_kwargs(
-            folder, store=store.socket, max_model_len=1024, kv_cache_bytes=64 << 20
-        )
         try:
+            # No max_model_len: the context comes from the model, bounded by the KV cache.
+            kwargs = vllm_engine_kwargs(folder, store=store.socket, kv_cache_bytes=64 << 20)
             llm = LLM(**kwargs, max_logprobs=-1)
-        except Exception as error:  # a refusal at start: its message is the result
+        except Exception as error:  # a refusal before or at start: its message is the result
             refused = f"{type(error).__name__}: {error}"
             return {"refused": refused, "start_s": round(time.monotonic() - started, 1)}
         result["start_s"] = round(time.monotonic() - started, 1)
+        core = llm.llm_engine.engine_core.engine_core
+        result["context"] = {
+            "max_model_len": llm.llm_engine.model_config.max_model_len,
+            "asked": kwargs["max_model_len"],
+            "num_blocks": core.scheduler.kv_cache_config.num_blocks,
+            "block_size": kwargs["block_size"],
+        }
         recorder = Recorder(llm)
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 

@@ -5,12 +5,16 @@ cache_salt and LoRA adapters. The engines run in one child process (connector_jo
 import pytest
 
 from kmesh.vllm.config import DEFAULT_BLOCK_SIZE
+from tests.vllm.conftest import shared_job
 from tests.vllm.connector_job import TRUNK_TOKENS
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
 
-JOB = "connector_job.py"
+@pytest.fixture(scope="module")
+def job_result(tmp_path_factory) -> dict:
+    """connector_job.py's result, from the embedded model's shared job (embedded_job.py)."""
+    return shared_job("embedded_job.py", tmp_path_factory)["connector"]
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,15 @@ import pytest
 
 from kmesh.compute.config import ModelConfig
 from kmesh.compute.loader import resolve_model_dir
+from tests.vllm.conftest import shared_job
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
-JOB = "transcript_job.py"
+
+@pytest.fixture(scope="module")
+def job_result(tmp_path_factory) -> dict:
+    """transcript_job.py's result, from the embedded model's shared job (embedded_job.py)."""
+    return shared_job("embedded_job.py", tmp_path_factory)["transcript"]
 
 
 def test_the_second_instance_gives_the_first_instances_greedy_tokens(job_result):

@@ -9,6 +9,7 @@ model's fingerprint, so a folder never holds weights of another recipe or model;
 complete once it exists (it is trained in a temporary sibling and renamed into place).
 """
 
+import fcntl
 import functools
 import json
 import shutil
@@ -23,6 +24,8 @@ from kmesh.compute.embedded import cache_dir, ensure_embedded_model
 from kmesh.compute.fingerprint import fingerprint_files
 
 MANIFEST = "kmesh.json"
+# Held (flock) by the process training adapters, in adapters_root().
+LOCK = ".training.lock"
 
 
 def adapters_root() -> Path:
@@ -103,18 +106,26 @@ def ensure_adapters(kind: str, count: int) -> list[Path]:
     fingerprint = model_fingerprint(model_dir)
     digests = [recipe_digest(adapter, fingerprint) for adapter in wanted]
     folders = [_folder(adapter, digest) for adapter, digest in zip(wanted, digests, strict=True)]
-    missing = [
-        (adapter, digest)
-        for adapter, digest, folder in zip(wanted, digests, folders, strict=True)
-        if not (folder / MANIFEST).is_file()
-    ]
-    if missing:
-        print(
-            f"kmesh: training {len(missing)} {kind} adapter(s) of the embedded model into "
-            f"{adapters_root()} (once; about 15 s each)...",
-            file=sys.stderr,
-        )
-        base = load_base_model(model_dir)
-        for adapter, digest in missing:
-            build_adapter(adapter, base, digest)
+    if all((folder / MANIFEST).is_file() for folder in folders):
+        return folders
+    root = adapters_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / LOCK).open("a") as lock:
+        # One trainer at a time: a process that finds another training waits for its folders
+        # instead of training the same recipes again.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = [
+            (adapter, digest)
+            for adapter, digest, folder in zip(wanted, digests, folders, strict=True)
+            if not (folder / MANIFEST).is_file()
+        ]
+        if missing:
+            print(
+                f"kmesh: training {len(missing)} {kind} adapter(s) of the embedded model into "
+                f"{root} (once; about 15 s each)...",
+                file=sys.stderr,
+            )
+            base = load_base_model(model_dir)
+            for adapter, digest in missing:
+                build_adapter(adapter, base, digest)
     return folders

@@ -83,4 +83,4 @@ def register(benches: Commands) -> None:
         action="store_true",
         help="skip sending kmesh_exact's calls again one at a time",
     )
-    add_bench_options(agents, _bench_agents, plot="makespan and TTFT p99")
+    add_bench_options(agents, _bench_agents, plot="makespan and TTFT p99", context=True)

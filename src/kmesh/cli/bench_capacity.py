@@ -51,4 +51,4 @@ def register(benches: Commands) -> None:
         "empty: every strategy of the workload)"
     )
     add_config_flag(capacity, default, "strategies", strategies)
-    add_bench_options(capacity, _bench_capacity, plot="computed tokens vs agents")
+    add_bench_options(capacity, _bench_capacity, plot="computed tokens vs agents", engine="vllm")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kmesh.cli.common import add_model_option
+from kmesh.cli.common import add_model_option, check_model
 from kmesh.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -24,16 +24,31 @@ def add_bench_options(
     run: Callable[[argparse.Namespace], None],
     plot: str | None = None,
     model: bool = True,
+    engine: str = "reference",
+    context: bool = False,
 ) -> None:
     """What every bench command ends with: --json, where it writes its report (required); with
     `plot` (what its plot draws), --plot too, where `emit_report` draws it (optional); --model
-    unless `model` is False; `run` as its handler."""
+    unless `model` is False (and --max-model-len with `context`, for a bench that passes it to
+    its engine); `run` as its handler. With --model, a model or context vLLM with KMesh would
+    refuse (the bench's --engine, else `engine`) is refused before `run` starts an engine
+    (`check_model`); the reference engine's own load refuses a model it cannot run."""
     parser.add_argument("--json", required=True, help="where to write the report")
     if plot is not None:
         parser.add_argument("--plot", default=None, help=f"where to draw {plot}")
-    if model:
-        add_model_option(parser)
-    parser.set_defaults(func=run)
+    if not model:
+        parser.set_defaults(func=run)
+        return
+    add_model_option(parser, context=context)
+
+    def checked(args: argparse.Namespace) -> None:
+        on = getattr(args, "engine", engine)
+        context = getattr(args, "max_model_len", None)
+        if on.startswith("vllm") or context is not None:  # the reference engine's load refuses
+            check_model(args.model, on, context)
+        run(args)
+
+    parser.set_defaults(func=checked)
 
 
 def add_config_flag(

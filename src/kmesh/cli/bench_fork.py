@@ -18,16 +18,17 @@ def _bench_fork(args: argparse.Namespace) -> None:
     cfg = config_from_args(ForkBenchConfig, args)
     log = progress()
     model = load_model(args.model)
-    context = cfg.trunk_tokens + cfg.reasoning_tokens + 2 * cfg.branch_tokens
-    if context > model.config.max_position:
+    needed = cfg.trunk_tokens + cfg.reasoning_tokens + 2 * cfg.branch_tokens
+    context = args.max_model_len or model.config.max_position
+    if needed > context:
         raise InvalidRequestError(
-            f"trunk + reasoning + branch tokens ({context}) exceed the model's context "
-            f"({model.config.max_position})"
+            f"trunk + reasoning + branch tokens ({needed}) exceed the context ({context} "
+            "tokens): shorten the workload or raise --max-model-len"
         )
     if args.engine == "vllm":
         from kmesh.bench.fork.vllm import print_vllm_report, run_vllm_fork_bench
 
-        report = run_vllm_fork_bench(cfg, args.model, progress=log)
+        report = run_vllm_fork_bench(cfg, args.model, args.max_model_len, progress=log)
         emit_report(args, report, print_vllm_report)
     else:
         report = run_fork_bench(model.executor, model.fingerprint, cfg, progress=log)
@@ -56,4 +57,4 @@ def register(benches: Commands) -> None:
         help="cot: trunk tokens generated before forking",
     )
     fork.add_argument("--seed", type=int, default=0)
-    add_bench_options(fork, _bench_fork)
+    add_bench_options(fork, _bench_fork, context=True)

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from kmesh.cli.bench_common import agent_counts, config_from_args, progress, write_json
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.common import Commands, add_model_option, check_model
 from kmesh.errors import InvalidRequestError
 from kmesh.extras import VLLM, require
 
@@ -13,6 +13,7 @@ from kmesh.extras import VLLM, require
 def _bench_lora(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         require(VLLM, "kmesh bench lora --engine vllm")
+    check_model(args.model, args.engine)
     from kmesh.adapters.prepare import ensure_adapters
     from kmesh.bench.common import report_console
     from kmesh.bench.lora.report import plot, print_report

@@ -27,4 +27,4 @@ def register(benches: Commands) -> None:
     family.add_argument("--requests", type=int, default=8, help="family members, round-robin")
     family.add_argument("--trunk-tokens", type=int, default=2048, help="shared trunk length")
     family.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request")
-    add_bench_options(family, _bench_vllm_family)
+    add_bench_options(family, _bench_vllm_family, engine="vllm")

@@ -14,14 +14,24 @@ Commands = Any
 Options = argparse._ActionsContainer
 
 
-def add_model_option(parser: Options) -> None:
-    """--model: a model folder; the embedded model when absent."""
+def add_model_option(parser: Options, context: bool = False) -> None:
+    """--model: a model folder; the embedded model when absent. With `context`, for a command
+    that starts an engine, --max-model-len too (kmesh/compute/context.py)."""
     parser.add_argument(
         "--model",
         default=None,
         help="a packaged model's name (SmolLM2-135M-Instruct, gemma-3-270m) or a model folder "
         "(default: the embedded model)",
     )
+    if context:
+        parser.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            metavar="TOKENS",
+            help="the engine's context, prompt and output together (default: the model's, "
+            "bounded by what the KV cache holds; the start line says which)",
+        )
 
 
 def add_store_option(parser: Options) -> None:
@@ -37,3 +47,23 @@ def check_store(store: str | None) -> None:
         raise InvalidRequestError(
             f"no store socket at {store!r}: start one with `kmesh store serve --socket PATH`"
         )
+
+
+def check_model(model: str | None, engine: str, max_model_len: int | None = None) -> None:
+    """What `kmesh model info` states, checked against the engine a command will start, before
+    it starts: a model KMesh cannot run there, or a context it cannot take, raises KMeshError in
+    one line (the command exits 2). `engine`: "vllm" (with KMeshConnector), "vllm-vanilla" or
+    "reference"; the settings are the engine's defaults (the command checks its own again when
+    it builds the engine)."""
+    from kmesh.compute.config import ModelConfig
+    from kmesh.compute.loader import resolve_model_dir
+
+    config = ModelConfig.from_folder(resolve_model_dir(model))
+    if engine.startswith("vllm"):
+        from kmesh.vllm.config import vllm_engine_kwargs
+
+        vllm_engine_kwargs(model, connector=engine == "vllm", max_model_len=max_model_len)
+    else:
+        from kmesh.engine.engine import reference_context
+
+        reference_context(config, max_model_len)

@@ -4,13 +4,14 @@
 import argparse
 from pathlib import Path
 
-from kmesh.cli.common import Commands, add_model_option
+from kmesh.cli.common import Commands, add_model_option, check_model
 
 
 def _demo(args: argparse.Namespace) -> None:
     from kmesh.bench.common import report_console
     from kmesh.demo import run_lab, run_served
 
+    check_model(args.model, "reference" if args.lab_only else "vllm")
     console = report_console()
     if not args.lab_only:
         run_served(console, args.model)

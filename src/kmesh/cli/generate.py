@@ -16,7 +16,7 @@ def _generate(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     check_store(args.store)
-    llm = LLM(args.model, store=args.store)
+    llm = LLM(args.model, store=args.store, max_model_len=args.max_model_len)
     [completion] = llm.generate([args.prompt], params, chat=args.chat, tenant_salt=args.tenant_salt)
     out = completion.output
     if args.json:
@@ -46,5 +46,5 @@ def register(commands: Commands) -> None:
     gen.add_argument("--tenant-salt", default=None, help="keep this request's state apart")
     add_store_option(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_option(gen)
+    add_model_option(gen, context=True)
     gen.set_defaults(func=_generate)

@@ -77,13 +77,21 @@ def _serve(args: argparse.Namespace) -> None:
             kv_cache_bytes=kv_cache_bytes,
             dtype=args.dtype or DEFAULT_DTYPE,
             tensor_parallel_size=args.tensor_parallel_size or 1,
+            max_model_len=args.max_model_len,
         )
-        print("kmesh serve: starting vLLM (about a minute on 2 cores)...", flush=True)
+        print(
+            f"kmesh serve: starting vLLM, {backend.context.describe()} (about a minute on 2 "
+            "cores)...",
+            flush=True,
+        )
     else:
         from kmesh.serve.reference_backend import ReferenceBackend
 
         options = {} if recovery_bytes is None else {"recovery_bytes": recovery_bytes}
-        backend = ReferenceBackend(args.model, store=args.store, **options)
+        backend = ReferenceBackend(
+            args.model, store=args.store, max_model_len=args.max_model_len, **options
+        )
+        print(f"kmesh serve: reference engine, {backend.context.describe()}", flush=True)
     port = listener.getsockname()[1]
 
     def ready() -> None:
@@ -150,7 +158,7 @@ def register(commands: Commands) -> None:
         required=True,
         help="reference: KMesh's own engine; vllm: vLLM with KMeshConnector",
     )
-    add_model_option(engine)
+    add_model_option(engine, context=True)
     engine.add_argument(
         "--dtype",
         default=None,

@@ -1,27 +1,26 @@
 """What a request must be for the reference engine to take it, whatever the engine holds.
 
-`check_request` raises InvalidRequestError (or OutOfBlocksError) with what to change: stop strings
-need an engine that decodes, only a retained trunk may sample nothing, a prompt (other than a
-fork's) is not empty, recovery is declared on a prompt and not on a fork, the prompt fits the
-model's context and vocabulary, max_tokens is not above the context (vLLM's server refuses that
-too; below it, generation ends where the context does), and the longest the request can grow
-fits the KV cache. What depends on the engine's state (ids in use, families, forks across tenants
-or adapters) is checked by the engine itself.
+`check_request` raises InvalidRequestError with what to change: stop strings need an engine that
+decodes, only a retained trunk may sample nothing, a prompt (other than a fork's) is not empty,
+recovery is declared on a prompt and not on a fork, the prompt fits the engine's context and the
+model's vocabulary, and max_tokens is not above the context (vLLM's server refuses that too;
+below it, generation ends where the context does). The context is never more than the KV pool
+holds (kmesh/compute/context.py), so a request that passes fits the pool when it runs alone.
+What depends on the engine's state (ids in use, families, forks across tenants or adapters) is
+checked by the engine itself.
 """
 
 from collections.abc import Callable
 
 from kmesh.compute.config import ModelConfig
 from kmesh.engine.request import Request
-from kmesh.errors import InvalidRequestError, OutOfBlocksError
-from kmesh.kv.block_pool import blocks_for
+from kmesh.errors import InvalidRequestError
 
 
 def check_request(
     request: Request,
     config: ModelConfig,
-    block_size: int,
-    num_blocks: int,
+    max_model_len: int,
     decode: Callable[[list[int]], str] | None,
 ) -> None:
     if request.params is not None and request.params.stop and decode is None:
@@ -43,10 +42,10 @@ def check_request(
             )
         request.recovery.check(len(request.prompt_ids))
     n = len(request.prompt_ids)
-    if n > config.max_position:
+    if n > max_model_len:
         raise InvalidRequestError(
-            f"the prompt has {n} tokens but the model's context is "
-            f"{config.max_position} tokens: shorten the prompt"
+            f"the prompt has {n} tokens but the engine's context is {max_model_len} tokens: "
+            "shorten the prompt"
         )
     bad = [t for t in request.prompt_ids if not 0 <= t < config.vocab_size]
     if bad:
@@ -54,17 +53,11 @@ def check_request(
             f"token id {bad[0]} is outside the model's vocabulary [0, {config.vocab_size})"
         )
     max_tokens = 0 if request.params is None else request.params.max_tokens
-    if max_tokens > config.max_position:
+    if max_tokens > max_model_len:
         # NOTE: as vLLM's server does; up to the context, generation ends where the context does
         # (finish_reason "length").
         raise InvalidRequestError(
-            f"max_tokens={max_tokens} cannot be greater than the model's context of "
-            f"{config.max_position} tokens (prompt and output together). Please request fewer "
+            f"max_tokens={max_tokens} cannot be greater than the engine's context of "
+            f"{max_model_len} tokens (prompt and output together). Please request fewer "
             "output tokens."
-        )
-    longest = min(n + max_tokens, config.max_position)
-    if blocks_for(longest, block_size) > num_blocks:
-        raise OutOfBlocksError(
-            f"request {request.request_id!r} needs up to {longest} tokens of KV but the "
-            f"cache holds {num_blocks * block_size}: raise kv_cache_tokens or lower max_tokens"
         )

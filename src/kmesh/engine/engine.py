@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.context import Context, resolve_context
 from kmesh.compute.executor import Executor
 from kmesh.compute.lora import LoraAdapter
 from kmesh.coord.families import FamilyRegistry
@@ -38,6 +40,9 @@ from kmesh.state.recovery_meta import recovery_refusal
 
 # How long a step waits when every waiting request waits for another engine's blocks.
 STORE_POLL_S = 0.02
+# The KV pool's defaults: tokens per block, and its capacity in tokens.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_TOKENS = 16384
 
 
 @dataclass(slots=True)
@@ -46,6 +51,19 @@ class EngineCounters:
     computed_tokens: int = 0
     # Most blocks held by live or retained sequences at once (cached free blocks not counted).
     peak_blocks_in_use: int = 0
+
+
+def reference_context(
+    config: ModelConfig,
+    max_model_len: int | None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+) -> Context:
+    """The reference engine's context (kmesh/compute/context.py): `max_model_len` when it fits,
+    else the model's bounded by its KV pool, in whole blocks. Read from the description alone,
+    so a caller can refuse before the weights load."""
+    pool = blocks_for(kv_cache_tokens, block_size) * block_size
+    return resolve_context(config, max_model_len, pool)
 
 
 class Engine:
@@ -63,6 +81,8 @@ class Engine:
             restored from it, and blocks this engine computes first are published to it.
         adapters: LoRA adapters requests may name (`Request.adapter`), by their names.
         recovery_bytes: what recovery keeps (stored segments, masters) at most.
+        max_model_len: the context, prompt and output together (None: the model's, bounded by
+            the KV pool: reference_context).
     """
 
     def __init__(
@@ -70,8 +90,8 @@ class Engine:
         executor: Executor,
         model_fingerprint: str,
         *,
-        block_size: int = 16,
-        kv_cache_tokens: int = 16384,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         max_batch_tokens: int = 4096,
         max_seqs: int = 32,
         prefix_caching: bool = True,
@@ -79,6 +99,7 @@ class Engine:
         adapters: Iterable[LoraAdapter] = (),
         decode: Callable[[list[int]], str] | None = None,
         recovery_bytes: int = DEFAULT_RECOVERY_BYTES,
+        max_model_len: int | None = None,
     ) -> None:
         """`decode`: token ids to text (the tokenizer's), for requests with stop strings."""
         if block_size < 1 or kv_cache_tokens < block_size:
@@ -92,6 +113,7 @@ class Engine:
         self.decode = decode
         self.adapters = Adapters(adapters)
         num_blocks = blocks_for(kv_cache_tokens, block_size)
+        self.context = reference_context(self.config, max_model_len, block_size, kv_cache_tokens)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, executor.dtype)
         if store is not None and not prefix_caching:
             raise InvalidRequestError("a store needs prefix caching (it shares blocks by key)")
@@ -251,7 +273,7 @@ class Engine:
                 self._retain(seq, row)  # a retained request's last token is now computed
                 continue
             sample_into(seq, row)
-            seq.finish_reason = finish_reason(seq, self.config, self.decode)
+            seq.finish_reason = finish_reason(seq, self.config, self.context.tokens, self.decode)
             if seq.finish_reason is not None and not seq.request.retain:
                 self._finish(seq)
 
@@ -283,9 +305,7 @@ class Engine:
                 "retain=True so its branches can fork it"
             )
         self._states.check_trunk(request)
-        check_request(
-            request, self.config, self.kv.block_size, self.kv.pool.num_blocks, self.decode
-        )
+        check_request(request, self.config, self.context.tokens, self.decode)
         if request.parent_id is not None:
             self.families.check_fork(request.parent_id, 1)
             self._states.check_fork(request)
@@ -296,7 +316,7 @@ class Engine:
             request, parent.token_ids, self.adapters.fork_use(request, parent)
         )
         take_held(seq, parent)
-        if len(seq.token_ids) >= self.config.max_position:
+        if len(seq.token_ids) >= self.context.tokens:
             # The parent's tokens and the fork's own fill the context: nothing to generate.
             seq.finish_reason = "length"
             self._finish(seq)
@@ -305,7 +325,7 @@ class Engine:
         if not request.prompt_ids and request.params is not None:
             assert parent.held_logits is not None
             sample_into(seq, parent.held_logits)
-            seq.finish_reason = finish_reason(seq, self.config, self.decode)
+            seq.finish_reason = finish_reason(seq, self.config, self.context.tokens, self.decode)
             if seq.finish_reason is not None and not request.retain:
                 seq.stats.reused_tokens = seq.num_computed
                 self._finish(seq)  # NOTE: a one-token branch never computes anything

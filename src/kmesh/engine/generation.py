@@ -26,10 +26,13 @@ def sample_into(seq: Sequence, logits: torch.Tensor) -> None:
 
 
 def finish_reason(
-    seq: Sequence, config: ModelConfig, decode: Callable[[list[int]], str] | None
+    seq: Sequence,
+    config: ModelConfig,
+    max_model_len: int,
+    decode: Callable[[list[int]], str] | None,
 ) -> str | None:
     """ "stop" (a stop token, or a stop string in the output `decode`d), "length" (max_tokens or
-    the model's context reached), or None: the sequence goes on."""
+    the engine's context, `max_model_len`, reached), or None: the sequence goes on."""
     params = seq.request.params
     assert params is not None
     stop_ids = config.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
@@ -39,7 +42,7 @@ def finish_reason(
         return "stop"
     if len(seq.output_ids) >= params.max_tokens:
         return "length"
-    if len(seq.token_ids) >= config.max_position:
+    if len(seq.token_ids) >= max_model_len:
         return "length"
     return None
 

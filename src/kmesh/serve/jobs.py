@@ -208,7 +208,7 @@ def _job(
     room = backend.max_model_len - len(prompt_ids)
     if room < 1:
         raise RequestFieldError(
-            f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+            f"the prompt has {len(prompt_ids)} tokens but the engine's context is "
             f"{backend.max_model_len} tokens, prompt and output together: shorten the prompt",
             prompt_field,
         )

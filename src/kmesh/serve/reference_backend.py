@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kmesh.compute.loader import LoadedModel, load_model
-from kmesh.engine.engine import Engine
+from kmesh.compute.config import ModelConfig
+from kmesh.compute.loader import LoadedModel, load_model, resolve_model_dir
+from kmesh.engine.engine import Engine, reference_context
 from kmesh.engine.request import Request, RequestOutput, SamplingParams
 from kmesh.errors import ContractError, KMeshError
 from kmesh.recovery.jobs import RecoveryRequest
@@ -88,6 +89,8 @@ class ReferenceBackend:
     Args:
         model: what to serve.
         store: socket of a `kmesh store serve` process (restore from it, publish to it).
+        max_model_len: the context, prompt and output together (None: the model's, bounded by
+            the KV pool: reference_context).
         engine_options: passed on to `Engine` (block_size, kv_cache_tokens, ...).
     """
 
@@ -98,19 +101,30 @@ class ReferenceBackend:
         model: str | Path | LoadedModel | None = None,
         *,
         store: str | None = None,
+        max_model_len: int | None = None,
         **engine_options: Any,
     ) -> None:
+        config = (
+            model.config
+            if isinstance(model, LoadedModel)
+            else ModelConfig.from_folder(resolve_model_dir(model))
+        )
+        # Refused before the weights load, in one line (the engine resolves it the same way).
+        pool = {k: v for k, v in engine_options.items() if k in ("block_size", "kv_cache_tokens")}
+        reference_context(config, max_model_len, **pool)
         loaded = model if isinstance(model, LoadedModel) else load_model(model)
         self.model_id = loaded.path.name
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = loaded.config.max_position
         self._engine = Engine(
             loaded.executor,
             loaded.fingerprint,
             store=store,
             decode=loaded.tokenizer.decode,
+            max_model_len=max_model_len,
             **engine_options,
         )
+        self.context = self._engine.context
+        self.max_model_len = self.context.tokens
         # Requests to add or abort, or None to stop the thread.
         self._inbox: queue.SimpleQueue[_Submission | _Abort | None] = queue.SimpleQueue()
         self._request_ids = itertools.count()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kmesh.compute.config import ModelConfig
 from kmesh.compute.loader import load_tokenizer
 from kmesh.serve.backend import Delta, EngineStoppedError, GenerationJob, TokenLogprob
 from kmesh.serve.branches import prefix_shared_branches
@@ -27,6 +28,7 @@ from kmesh.vllm.config import (
     DEFAULT_DTYPE,
     DEFAULT_KV_CACHE_BYTES,
     cpu_thread_binding,
+    vllm_context,
     vllm_engine_kwargs,
 )
 
@@ -43,6 +45,7 @@ class VLLMBackend:
         dtype: the model's and the KV cache's, "float32" or "bfloat16".
         tensor_parallel_size: vLLM's workers, each with a shard of the heads (on the CPU, each
             bound to its share of this process's cores unless VLLM_CPU_OMP_THREADS_BIND says).
+        max_model_len: the context (None: the model's, bounded by the KV cache: vllm_context).
     """
 
     engine = "vllm"
@@ -57,6 +60,7 @@ class VLLMBackend:
         kv_cache_bytes: int | None = None,
         dtype: str = DEFAULT_DTYPE,
         tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
     ) -> None:
         self._engine_kwargs = vllm_engine_kwargs(
             model,
@@ -65,6 +69,15 @@ class VLLMBackend:
             heap_reserve_bytes=heap_reserve_bytes,
             kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
             dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+        )
+        self.context = vllm_context(
+            ModelConfig.from_folder(Path(self._engine_kwargs["model"])),
+            max_model_len=max_model_len,
+            kv_cache_bytes=self._engine_kwargs["kv_cache_memory_bytes"],
+            dtype=dtype,
+            block_size=self._engine_kwargs["block_size"],
             tensor_parallel_size=tensor_parallel_size,
         )
         self._binding = None

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from kmesh.compute.config import DTYPES, ModelConfig
+from kmesh.compute.context import Context, resolve_context, vllm_cache_tokens
 from kmesh.compute.loader import resolve_model_dir
+from kmesh.compute.support import require
 from kmesh.errors import InvalidRequestError
 
 CONNECTOR_NAME = "KMeshConnector"
@@ -88,7 +90,7 @@ def vllm_engine_kwargs(
     recovery_bytes: int | None = None,
     heap_reserve_bytes: int | None = None,
     connector: bool = True,
-    max_model_len: int = 8192,
+    max_model_len: int | None = None,
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     dtype: str = DEFAULT_DTYPE,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -99,7 +101,10 @@ def vllm_engine_kwargs(
     embedded model when None). `connector=False` gives vanilla vLLM with the same settings.
     `dtype` is the model's and the KV cache's (recovery runs in "float32" or "bfloat16");
     `block_size` vLLM's page size in tokens (its CPU backend takes multiples of 32);
-    `tensor_parallel_size` its workers, each with a shard of the heads (check_tensor_parallel)."""
+    `tensor_parallel_size` its workers, each with a shard of the heads (check_tensor_parallel);
+    `max_model_len` the context (None: the model's, bounded by the KV cache: vllm_context).
+    Whatever vLLM or the connector would refuse on this model and these settings is refused
+    here, in one line (InvalidRequestError, ModelNotSupportedError), before vLLM starts."""
     if dtype not in DTYPES:
         raise InvalidRequestError(f"the dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if block_size < 32 or block_size % 32:
@@ -107,15 +112,25 @@ def vllm_engine_kwargs(
             f"vLLM's CPU backend needs a block size that is a multiple of 32, got {block_size}"
         )
     folder = resolve_model_dir(model)
+    config = ModelConfig.from_folder(folder)
+    if connector:
+        require(config, "KMeshConnector in vLLM")
     if connector or tensor_parallel_size != 1:
-        # A model KMesh cannot run, or cannot split: refused here, in one line.
-        check_tensor_parallel(ModelConfig.from_folder(folder), folder.name, tensor_parallel_size)
+        check_tensor_parallel(config, folder.name, tensor_parallel_size)
+    context = vllm_context(
+        config,
+        max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes,
+        dtype=dtype,
+        block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     kwargs: dict[str, Any] = {
         "model": str(folder),
         "dtype": dtype,
         "enforce_eager": True,
         "enable_prefix_caching": True,
-        "max_model_len": max_model_len,
+        "max_model_len": context.tokens,
         "kv_cache_memory_bytes": kv_cache_bytes,
         "block_size": block_size,
         "seed": 0,
@@ -127,6 +142,29 @@ def vllm_engine_kwargs(
         kwargs["worker_cls"] = WORKER
     kwargs.update(overrides)
     return kwargs
+
+
+def vllm_context(
+    config: ModelConfig,
+    *,
+    max_model_len: int | None = None,
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    dtype: str = DEFAULT_DTYPE,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    tensor_parallel_size: int = 1,
+) -> Context:
+    """The context a vLLM engine with these settings starts with (kmesh/compute/context.py):
+    `max_model_len` when given and it fits, else the model's bounded by what the KV cache holds,
+    in whole pages, on each worker."""
+    cache = vllm_cache_tokens(config, dtype, block_size, kv_cache_bytes, tensor_parallel_size)
+    return resolve_context(config, max_model_len, cache)
+
+
+def workload_context(config: ModelConfig, needed: int, least: int = 4096) -> int:
+    """A bench's context: what its workload `needed`, and at least `least` tokens (runs of one bench
+    compare at one setting) where the model's context has room; a workload longer than the
+    model's is refused by vllm_context."""
+    return max(needed, min(least, config.max_position))
 
 
 def check_tensor_parallel(config: ModelConfig, name: str, workers: int) -> None:

@@ -49,6 +49,8 @@ class AgentsBenchConfig:
     # Passes over every strategy, servers started afresh each time (makespans are medians).
     repeats: int = 1
     model: str | None = None
+    # Every server's context (None: the model's, bounded by the KV cache).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not self.agents or min(self.agents) < 2:

@@ -119,9 +119,11 @@ class _vllm_server:
 
     def __enter__(self) -> Served:
         cfg = self.cfg
-        model = () if cfg.model is None else ("--model", cfg.model)
         if cfg.engine == "reference":
-            self.server = start_kmesh_serve("reference", self.work / "plain.log", model)
+            options = ("--model", cfg.model) if cfg.model is not None else ()
+            if cfg.max_model_len is not None:
+                options += ("--max-model-len", str(cfg.max_model_len))
+            self.server = start_kmesh_serve("reference", self.work / "plain.log", options)
         else:
             from kmesh.vllm.config import vllm_engine_kwargs
 
@@ -130,6 +132,7 @@ class _vllm_server:
                 connector=False,
                 kv_cache_bytes=parse_size(cfg.kv_cache, "--kv-cache"),
                 dtype=cfg.dtype,
+                max_model_len=cfg.max_model_len,
             )
             self.server = start_vllm_server(kwargs, self.work / "vllm.log", timeout=600)
         url = self.server.url
@@ -171,6 +174,8 @@ def kmesh_serve_options(cfg: AgentsBenchConfig, store: str) -> tuple[str, ...]:
     """`kmesh serve`'s options for the KMesh strategies: the store, and the vLLM settings the
     plain server gets too."""
     options = ["--store", store]
+    if cfg.max_model_len is not None:
+        options += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.engine == "vllm":
         options += ["--kv-cache", cfg.kv_cache, "--dtype", cfg.dtype]
     if cfg.model is not None:

@@ -298,6 +298,7 @@ def run_vllm_allgather_bench(
         DEFAULT_BLOCK_SIZE,
         DEFAULT_KV_CACHE_BYTES,
         vllm_engine_kwargs,
+        workload_context,
     )
 
     path = resolve_model_dir(model)
@@ -315,7 +316,7 @@ def run_vllm_allgather_bench(
     kv_cache_bytes = max(DEFAULT_KV_CACHE_BYTES, 2 * widest * kv_bytes_per_token)
     kwargs = vllm_engine_kwargs(
         path,
-        max_model_len=max(4096, longest),
+        max_model_len=workload_context(description, longest),
         block_size=block_size,
         kv_cache_bytes=kv_cache_bytes,
         max_logprobs=-1,

@@ -158,14 +158,17 @@ def _inner_generated(cfg: ForkBenchConfig) -> int:
 
 
 async def _run(
-    cfg: ForkBenchConfig, model: str | None, progress: Callable[[str], None]
+    cfg: ForkBenchConfig,
+    model: str | None,
+    max_model_len: int | None,
+    progress: Callable[[str], None],
 ) -> dict[str, Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from kmesh.vllm.config import vllm_engine_kwargs
 
-    kwargs = vllm_engine_kwargs(model)
+    kwargs = vllm_engine_kwargs(model, max_model_len=max_model_len)
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     try:
         strategies, leaves = await _measure(llm, cfg, progress)
@@ -214,10 +217,14 @@ async def _measure(
 
 
 def run_vllm_fork_bench(
-    cfg: ForkBenchConfig, model: str | None = None, progress: Callable[[str], None] = print
+    cfg: ForkBenchConfig,
+    model: str | None = None,
+    max_model_len: int | None = None,
+    progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """The three strategies on one vLLM engine (module docstring)."""
-    return asyncio.run(_run(cfg, model, progress))
+    """The three strategies on one vLLM engine (module docstring); `max_model_len` its context
+    (None: the model's, bounded by the KV cache)."""
+    return asyncio.run(_run(cfg, model, max_model_len, progress))
 
 
 def print_vllm_report(report: dict[str, Any], console: Any) -> None:

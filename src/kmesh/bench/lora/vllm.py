@@ -165,7 +165,8 @@ def start_lora_engine(bench: LoraBench, store: str, model: str | None = None) ->
     most agents' prompts twice (its worker attaches recovery)."""
     from vllm import LLM
 
-    from kmesh.vllm.config import vllm_engine_kwargs
+    from kmesh.compute.config import ModelConfig
+    from kmesh.vllm.config import vllm_engine_kwargs, workload_context
 
     most = max(bench.cfg.agents)
     per_agent = len(bench.context) + 128 + bench.cfg.greedy_tokens
@@ -173,7 +174,9 @@ def start_lora_engine(bench: LoraBench, store: str, model: str | None = None) ->
         **vllm_engine_kwargs(
             resolve_model_dir(model),
             store=store,
-            max_model_len=max(4096, per_agent),
+            max_model_len=workload_context(
+                ModelConfig.from_folder(resolve_model_dir(model)), per_agent
+            ),
             kv_cache_bytes=max(1 << 30, 2 * most * per_agent * bench.bytes_per_token),
             enable_lora=True,
             max_lora_rank=max(a.rank for a in [*bench.plain, *bench.activated]),

@@ -145,7 +145,7 @@ def run_vllm_tasks(
     from kmesh.compute.config import ModelConfig
     from kmesh.compute.fingerprint import model_fingerprint
     from kmesh.compute.loader import load_tokenizer, resolve_model_dir
-    from kmesh.vllm.config import DEFAULT_KV_CACHE_BYTES, vllm_engine_kwargs
+    from kmesh.vllm.config import DEFAULT_KV_CACHE_BYTES, vllm_engine_kwargs, workload_context
 
     path = resolve_model_dir(model)
     hf = json.loads((Path(path) / "config.json").read_text())
@@ -159,7 +159,7 @@ def run_vllm_tasks(
     llm = LLM(
         **vllm_engine_kwargs(
             path,
-            max_model_len=max(4096, 2 * longest),
+            max_model_len=workload_context(description, 2 * longest),
             kv_cache_bytes=max(DEFAULT_KV_CACHE_BYTES, 3 * widest * kv_bytes),
             max_logprobs=-1,
         )
