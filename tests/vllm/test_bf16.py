@@ -9,19 +9,23 @@ orders). So no constant is carried from one machine: the job computes each promp
 itself does (alone, after a prefix hit of half and of a quarter of the trunk)
 and this module measures, against vanilla's cold batch:
 - vLLM's own spread: the largest logprob difference of a greedy token over the steps before a
-  variant's first differing token, and the steps on which every variant still agrees with the
-  cold run (`stable`: past them vLLM's own greedy path is not decided by vLLM).
+  variant's first differing token, over every prompt and variant (the kernels' rounding, not a
+  prompt's), and per prompt the steps on which every variant still agrees with the cold run
+  (`stable`: past them vLLM's own greedy path is not decided by vLLM).
 - KMesh's: the same difference for policy `full` (KMesh's executor computes every row before the
   last token) and for `full` after a local prefix hit.
 
-KMesh is bounded by vLLM: within the stable steps, its greedy tokens are vanilla's, or differ
-first at a step where vanilla's margin is within twice the spread (a near-tie vLLM's own rounding
-decides either way); its logprob drift there is within twice the spread (two computations each
-within the spread of one value are within twice it of each other). Wrong KV (rows, positions,
-layout, dtype) moves logprobs by nats and flips tokens at wide margins. The figures are stated in
-pytest's summary (tests/conftest.py, `stated`). A premise about vLLM that does not hold here (its
-own ways bit-identical, or diverging at the first token) is stated with its figures, and the
-checks that need it say so instead of failing KMesh.
+KMesh is bounded by vLLM: within the stable steps, its logprob drift is within twice the spread
+(two computations each within the spread of one value are within twice it of each other); its
+greedy tokens are vanilla's, or differ first at a step where vanilla's margin over the runner-up
+is within four times the spread (the margin is the difference of two logits, each of which moves
+by up to twice the spread between the two computations: a near-tie rounding decides either way).
+Measured here (no AMX): vLLM's spread 0.12 nats, KMesh's drift 0.12, and suffix "c" recovered
+from scratch takes the runner-up at step 3, where vanilla's margin is 0.25 (two logit ulps).
+Wrong KV (rows, positions, layout, dtype) moves logprobs by nats and flips tokens at wide
+margins. The figures are stated in pytest's summary (tests/conftest.py, `stated`). A premise
+about vLLM that does not hold here (its own ways bit-identical, or apart from the first token) is
+stated with its figures, and the checks that need it say so instead of failing KMesh.
 """
 
 from dataclasses import dataclass
@@ -59,21 +63,32 @@ def drift(got: dict, want: dict, steps: int) -> float:
 
 @dataclass(frozen=True)
 class Spread:
-    """vLLM's own bfloat16 spread on one prompt (module docstring)."""
+    """vLLM's own bfloat16 spread (module docstring)."""
 
-    drift: float  # nats, over each variant's agreed steps
-    stable: int  # steps every variant agrees with the cold run on
+    drift: float  # nats: the largest over every prompt's variants, over their agreed steps
+    stable: int  # steps every variant of this prompt agrees with its cold run on
 
     @property
     def bound(self) -> float:
+        """KMesh's logprob drift at most."""
         return 2 * self.drift
+
+    @property
+    def near_tie(self) -> float:
+        """A margin at which KMesh may take the runner-up."""
+        return 4 * self.drift
 
 
 def spread(result: dict, name: str) -> Spread:
-    cold = result["vanilla"][name]
-    variants = [runs[name] for runs in result["vanilla_variants"].values()]
-    steps = [agreed(v, cold) for v in variants]
-    return Spread(max(drift(v, cold, s) for v, s in zip(variants, steps, strict=True)), min(steps))
+    drifts, stable = [], len(result["vanilla"][name]["ids"])
+    for prompt in CHECKED:
+        cold = result["vanilla"][prompt]
+        for runs in result["vanilla_variants"].values():
+            steps = agreed(runs[prompt], cold)
+            drifts.append(drift(runs[prompt], cold, steps))
+            if prompt == name:
+                stable = min(stable, steps)
+    return Spread(max(drifts), stable)
 
 
 def check_bounded(got: dict, name: str, result: dict, stated) -> None:
@@ -82,17 +97,24 @@ def check_bounded(got: dict, name: str, result: dict, stated) -> None:
     steps = min(agreed(got, cold), own.stable)
     mine = drift(got, cold, steps)
     stated(
-        f"bf16 {name}: vLLM's own spread {own.drift:.3f} nats over {own.stable} stable steps "
-        f"of {len(cold['ids'])}; KMesh {mine:.3f} nats, {agreed(got, cold)} steps identical"
+        f"bf16 {name}: vLLM's own spread {own.drift:.3f} nats (this prompt stable for "
+        f"{own.stable} of {len(cold['ids'])} steps); KMesh's drift {mine:.3f} nats (bound "
+        f"{own.bound:.3f}), {agreed(got, cold)} steps identical"
     )
-    if own.drift == 0 or own.stable == 0:
+    if own.drift == 0:
         stated(
-            f"bf16 {name}: premise not met on this machine (vLLM's own ways of computing the "
-            f"prompt are {'bit-identical' if own.drift == 0 else 'apart from the first token'})"
-            f": KMesh's greedy tokens checked alone"
+            f"bf16 {name}: premise not met here: vLLM's own ways are bit-identical, so KMesh's "
+            "tokens are held to vanilla's with no near-tie allowance and its drift is not bounded"
+        )
+    if own.stable == 0:
+        stated(
+            f"bf16 {name}: premise not met here: vLLM's own ways differ from the first token, so "
+            "no step of KMesh's greedy path is decided by vLLM: nothing compared"
         )
     if steps < own.stable:  # KMesh flipped where vLLM's own ways agree: only at a near-tie
-        assert cold["margins"][steps] <= own.bound, (name, steps, cold["margins"][steps], own)
+        margin = cold["margins"][steps]
+        stated(f"bf16 {name}: KMesh takes the runner-up at step {steps} (margin {margin:.3f})")
+        assert margin <= own.near_tie, (name, steps, margin, own)
     if own.drift > 0:
         assert mine <= own.bound, (name, mine, own)
 

@@ -32,7 +32,9 @@ def test_best_of_4_computes_the_trunk_once_with_leaves_identical_to_independent_
         family_folder("mistral_global"), tmp_path / "fork.json",
         "--mode", "best-of-n", "--branches", "4", "--branch-tokens", "8",
     )  # fmt: skip
-    ideal = ideal_prompt_tokens(ForkBenchConfig(mode="best-of-n", branches=4, branch_tokens=8))
+    ideal = ideal_prompt_tokens(
+        ForkBenchConfig(mode="best-of-n", branches=4, trunk_tokens=1024, branch_tokens=8)
+    )
     assert ideal == 1024
     kmesh = report["strategies"]["kmesh"]
     assert kmesh["prompt_tokens"] == 4 * 1024
