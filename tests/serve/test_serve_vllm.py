@@ -91,6 +91,29 @@ def concurrent_round(url: str, headers: dict[str, str]) -> dict:
     return seen
 
 
+def one_token_past_the_context(http: httpx.Client) -> dict:
+    """The server's context, and what a completion and a chat one token past it answer."""
+    context = http.post("/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+
+    def text_of(tokens: int) -> str:  # "word" repeated to exactly `tokens` tokens
+        words = tokens
+        while (
+            got := http.post("/tokenize", json={"prompt": "word " * words}).json()["count"]
+        ) != tokens:
+            words += tokens - got
+        return "word " * words
+
+    text = text_of(context + 1)
+    answers = [
+        http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1}),
+        http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": text}]},
+        ),
+    ]
+    return {"context": context, "answers": [(r.status_code, r.json()) for r in answers]}
+
+
 def family_member(suffix: str) -> dict:
     segments = [{"text": TRUNK, "role": "shared", "id": "archive"}, {"text": suffix}]
     return {"family": "archive", "branches": len(SUFFIXES), "segments": segments}
@@ -168,6 +191,7 @@ def answers(tmp_path_factory) -> dict[str, list[dict]]:
             with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
                 past = [http.post(path, json={"model": MODEL, **b}) for path, b in PAST_CONTEXT]
                 results[f"{engine}-past-context"] = [(r.status_code, r.json()) for r in past]
+                results[f"{engine}-one-past"] = one_token_past_the_context(http)
                 json_headers = {"content-type": "application/json"}
                 lone = [http.post(p, content=b, headers=json_headers) for p, b in NOT_UNICODE]
                 results[f"{engine}-not-unicode"] = [(r.status_code, r.json()) for r in lone]
@@ -207,6 +231,20 @@ def test_max_tokens_past_the_context_is_a_400_in_vllms_words(answers, engine):
             "max_tokens=1000000000 cannot be greater than max_model_len=8192. Please request "
             "fewer output tokens."
         )
+
+
+@pytest.mark.parametrize("engine", ["vllm", "reference"])
+def test_a_prompt_one_token_past_the_context_is_a_400_naming_both_lengths(answers, engine):
+    got = answers[f"{engine}-one-past"]
+    assert got["context"] == 8192  # the model's, which the KV cache holds
+    (status, completion), (chat_status, chat) = got["answers"]
+    assert status == 400 and completion["error"]["param"] == "prompt"
+    assert completion["error"]["message"] == (
+        "the prompt has 8193 tokens but the engine's context is 8192 tokens, prompt and output "
+        "together: shorten the prompt"
+    )
+    assert chat_status == 400 and chat["error"]["param"] == "messages"
+    assert "but the engine's context is 8192 tokens" in chat["error"]["message"]
 
 
 @pytest.mark.parametrize("engine", ["vllm", "reference"])

@@ -120,7 +120,7 @@ class _vllm_server:
     def __enter__(self) -> Served:
         cfg = self.cfg
         if cfg.engine == "reference":
-            options = ("--model", cfg.model) if cfg.model is not None else ()
+            options: tuple[str, ...] = ("--model", cfg.model) if cfg.model is not None else ()
             if cfg.max_model_len is not None:
                 options += ("--max-model-len", str(cfg.max_model_len))
             self.server = start_kmesh_serve("reference", self.work / "plain.log", options)
