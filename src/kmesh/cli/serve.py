@@ -50,7 +50,11 @@ def _serve(args: argparse.Namespace) -> None:
         from kmesh.store.server import parse_size
 
         recovery_bytes = parse_size(args.recovery_bytes, "--recovery-bytes")
-    kv_cache_bytes = _vllm_size(args, args.kv_cache, "--kv-cache", "vLLM's KV cache")
+    kv_cache_bytes = None
+    if args.kv_cache is not None:
+        from kmesh.store.server import parse_size
+
+        kv_cache_bytes = parse_size(args.kv_cache, "--kv-cache")
     heap_reserve_bytes = _vllm_size(
         args, args.heap_reserve, "--heap-reserve", "vLLM's worker's heap reserve", least=0
     )
@@ -87,9 +91,15 @@ def _serve(args: argparse.Namespace) -> None:
     else:
         from kmesh.serve.reference_backend import ReferenceBackend
 
-        options = {} if recovery_bytes is None else {"recovery_bytes": recovery_bytes}
+        options: dict[str, int] = {}
+        if recovery_bytes is not None:
+            options["recovery_bytes"] = recovery_bytes
         backend = ReferenceBackend(
-            args.model, store=args.store, max_model_len=args.max_model_len, **options
+            args.model,
+            store=args.store,
+            max_model_len=args.max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            **options,
         )
         print(f"kmesh serve: reference engine, {backend.context.describe()}", flush=True)
     port = listener.getsockname()[1]
@@ -223,7 +233,8 @@ def register(commands: Commands) -> None:
         "--kv-cache",
         default=None,
         metavar="SIZE",
-        help="--engine vllm: vLLM's KV cache, like 2G (default 1G)",
+        help="the engine's KV cache, like 2G (default: 1G on vLLM, 16384 tokens' worth on the "
+        "reference engine)",
     )
     memory.add_argument(
         "--heap-reserve",

@@ -91,6 +91,8 @@ class ReferenceBackend:
         store: socket of a `kmesh store serve` process (restore from it, publish to it).
         max_model_len: the context, prompt and output together (None: the model's, bounded by
             the KV pool: reference_context).
+        kv_cache_bytes: the KV pool in bytes of float32 rows (None: `kv_cache_tokens` of
+            `engine_options`, or the engine's default).
         engine_options: passed on to `Engine` (block_size, kv_cache_tokens, ...).
     """
 
@@ -102,6 +104,7 @@ class ReferenceBackend:
         *,
         store: str | None = None,
         max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
         **engine_options: Any,
     ) -> None:
         config = (
@@ -109,6 +112,10 @@ class ReferenceBackend:
             if isinstance(model, LoadedModel)
             else ModelConfig.from_folder(resolve_model_dir(model))
         )
+        if kv_cache_bytes is not None:
+            engine_options["kv_cache_tokens"] = kv_cache_bytes // config.kv_bytes_per_token(
+                "float32"
+            )
         # Refused before the weights load, in one line (the engine resolves it the same way).
         pool = {k: v for k, v in engine_options.items() if k in ("block_size", "kv_cache_tokens")}
         reference_context(config, max_model_len, **pool)
