@@ -51,19 +51,18 @@ def check_store(store: str | None) -> None:
 
 def check_model(model: str | None, engine: str, max_model_len: int | None = None) -> None:
     """What `kmesh model info` states, checked against the engine a command will start, before
-    it starts: a model KMesh cannot run there, or a context it cannot take, raises KMeshError in
-    one line (the command exits 2). `engine`: "vllm" (with KMeshConnector), "vllm-vanilla" or
-    "reference"; the settings are the engine's defaults (the command checks its own again when
-    it builds the engine)."""
+    it starts: a model KMesh cannot run there, or a `max_model_len` longer than the model's
+    context, raises KMeshError in one line (the command exits 2). `engine`: "vllm" (with
+    KMeshConnector), "vllm-vanilla" or "reference". Whether the command's own KV cache holds
+    the context is checked where it builds the engine, with its sizes."""
     from kmesh.compute.config import ModelConfig
+    from kmesh.compute.context import resolve_context
     from kmesh.compute.loader import resolve_model_dir
 
     config = ModelConfig.from_folder(resolve_model_dir(model))
     if engine.startswith("vllm"):
         from kmesh.vllm.config import vllm_engine_kwargs
 
-        vllm_engine_kwargs(model, connector=engine == "vllm", max_model_len=max_model_len)
-    else:
-        from kmesh.engine.engine import reference_context
-
-        reference_context(config, max_model_len)
+        vllm_engine_kwargs(model, connector=engine == "vllm")
+    if max_model_len is not None:
+        resolve_context(config, max_model_len, max_model_len)
