@@ -1,4 +1,4 @@
-"""`kmesh bench allgather --engine vllm` on a slice of the committed 8-agent trace (3 agents,
+"""`kmesh bench allgather --engine vllm` on a slice of the committed 8-agent trace (2 agents,
 rounds 0 and 1; each round-1 prompt still reads all 8 round-0 outputs), as a process: the
 reference bench's JSON, exact strategies exact, recovery cheaper than vanilla prefix caching."""
 
@@ -14,7 +14,7 @@ from kmesh.workloads.trace import load_trace, save_trace
 
 pytestmark = [pytest.mark.model, pytest.mark.vllm]
 
-AGENTS = 3
+AGENTS = 2
 TRACE = Path(__file__).parents[3] / "docs" / "results" / "allgather-trace-8x3.jsonl"
 
 

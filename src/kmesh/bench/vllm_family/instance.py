@@ -1,7 +1,9 @@
 """One vLLM instance of `kmesh bench vllm-family`, in its own process (vLLM spawns workers):
-`python -m kmesh.bench.vllm_family.instance SPEC.json`. It starts vLLM (with KMeshConnector and the
-store, or vanilla), says it is ready, waits for the go file, sends all its requests at once and
-writes what each computed, reused and restored, its outputs and its wall time."""
+`python -m kmesh.bench.vllm_family.instance SPEC.json`. SPEC["runs"] lists the runs it takes
+part in, one after another in this process (one Python and vLLM import for all): for each, it
+starts vLLM (with KMeshConnector and the store, or vanilla), says it is ready, waits for the
+run's go file, sends all its requests at once, writes what each computed, reused and restored,
+its outputs and its wall time, and shuts that engine down."""
 
 import json
 import sys
@@ -61,4 +63,5 @@ def run(spec: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    run(json.loads(Path(sys.argv[1]).read_text()))
+    for one in json.loads(Path(sys.argv[1]).read_text())["runs"]:
+        run(one)

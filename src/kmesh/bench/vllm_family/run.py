@@ -2,7 +2,8 @@
 
 R requests share a T-token trunk (real text: the start of argparse's source, the same on every
 machine with Python 3.11) and differ in a short suffix; they are spread round-robin over N vLLM
-instances (separate processes), which all start sending at the same moment. Two runs:
+instances (separate processes), which all start sending at the same moment. Two runs, one after
+the other in the same instance processes (each starts and shuts down its own engine per run):
 - vanilla: N plain vLLM instances with prefix caching: each computes the trunk once;
 - kmesh: N instances with KMeshConnector on one `kmesh store serve`: the first to claim the trunk
   computes it, the others wait for it and restore it, so the trunk is computed once in total.
@@ -73,46 +74,65 @@ def family_prompts(tokenizer: Any, trunk_tokens: int, requests: int) -> list[lis
     ]
 
 
-def run_instances(
-    config: FamilyBenchConfig,
-    prompts: list[list[int]],
-    store: str | None,
-    work: Path,
-    progress: Callable[[str], None],
-) -> dict[str, Any]:
-    """Start the instances in `work` (a fresh folder), release them together, collect their
-    results."""
+def instance_specs(
+    config: FamilyBenchConfig, prompts: list[list[int]], store: str | None, work: Path
+) -> list[dict[str, Any]]:
+    """Each instance's part of one run (in `work`, a fresh folder): its requests (round-robin),
+    its ready file, the run's go file, its result file."""
     work.mkdir()
     model = str(resolve_model_dir(config.model))
     family = {"family": "bench", "branches": 0}
-    specs: list[dict[str, Any]] = []
-    processes = []
+    specs = []
     for i in range(config.instances):
         mine = prompts[i :: config.instances]
-        spec = {
-            "model": model,
-            "store": store,
-            "prompts": mine,
-            "max_tokens": config.max_tokens,
-            "kmesh": family | {"branches": len(mine)},
-            "ready": str(work / f"ready-{i}"),
-            "go": str(work / "go"),
-            "result": str(work / f"result-{i}.json"),
-        }
+        specs.append(
+            {
+                "model": model,
+                "store": store,
+                "prompts": mine,
+                "max_tokens": config.max_tokens,
+                "kmesh": family | {"branches": len(mine)},
+                "ready": str(work / f"ready-{i}"),
+                "go": str(work / "go"),
+                "result": str(work / f"result-{i}.json"),
+            }
+        )
+    return specs
+
+
+def run_instances(
+    config: FamilyBenchConfig,
+    runs: dict[str, list[dict[str, Any]]],
+    work: Path,
+    progress: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
+    """Start the instances (one process each, in `work`), which take part in `runs` (name ->
+    instance_specs) one run after another; release each run's instances together once all of
+    them are ready; collect each run's results."""
+    processes = []
+    for i in range(config.instances):
         path = work / f"spec-{i}.json"
-        path.write_text(json.dumps(spec))
+        path.write_text(json.dumps({"runs": [specs[i] for specs in runs.values()]}))
         log = (work / f"instance-{i}.log").open("wb")
         command = [sys.executable, "-m", "kmesh.bench.vllm_family.instance", str(path)]
         processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
-        specs.append(spec)
+    summaries = {}
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not all(Path(s["ready"]).exists() for s in specs):
-            _check_alive(processes, work, deadline)
-            time.sleep(0.2)
-        progress(f"{config.instances} instances ready; go")
-        go = time.time()
-        Path(specs[0]["go"]).touch()
+        for name, specs in runs.items():
+            progress(f"{name}: starting {config.instances} instances")
+            while not all(Path(s["ready"]).exists() for s in specs):
+                _check_alive(processes, work, deadline)
+                time.sleep(0.2)
+            progress(f"{name}: {config.instances} instances ready; go")
+            go = time.time()
+            Path(specs[0]["go"]).touch()
+            while not all(Path(s["result"]).exists() for s in specs):
+                _check_alive(processes, work, deadline)
+                time.sleep(0.2)
+            instances = [json.loads(Path(s["result"]).read_text()) for s in specs]
+            summaries[name] = _summary(config, instances, max(i["ended"] for i in instances) - go)
+            deadline = time.monotonic() + START_TIMEOUT_S
         for process in processes:
             process.wait(timeout=START_TIMEOUT_S)
         _check_alive(processes, work, deadline=float("inf"))
@@ -120,8 +140,7 @@ def run_instances(
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    instances = [json.loads(Path(s["result"]).read_text()) for s in specs]
-    return _summary(config, instances, max(inst["ended"] for inst in instances) - go)
+    return summaries
 
 
 def _check_alive(processes: list[subprocess.Popen], work: Path, deadline: float) -> None:
@@ -159,12 +178,17 @@ def run_family_bench(
     report: dict[str, Any] = {"config": asdict(config), "hardware": hardware()}
     with tempfile.TemporaryDirectory(prefix="kmesh-family-") as tmp:
         work = Path(tmp)
-        progress(f"vanilla vLLM: starting {config.instances} instances (about a minute)")
-        report["vanilla"] = run_instances(config, prompts, None, work / "vanilla", progress)
         store = start_store(work, capacity=config.store_capacity)
         try:
-            progress(f"kmesh: starting {config.instances} instances on one store")
-            report["kmesh"] = run_instances(config, prompts, store.socket, work / "kmesh", progress)
+            runs = {
+                "vanilla": instance_specs(config, prompts, None, work / "vanilla"),
+                "kmesh": instance_specs(config, prompts, store.socket, work / "kmesh"),
+            }
+            progress(
+                f"{config.instances} vLLM instances: vanilla, then KMeshConnector on one store "
+                "(about a minute each)"
+            )
+            report.update(run_instances(config, runs, work, progress))
         finally:
             store.stop()
 
