@@ -207,6 +207,21 @@ def refused(client, body, path="/v1/completions"):
 
 
 CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def round_of(names: list[str]) -> dict:
+    """A `kmesh` object whose round names `names` of its shared outputs a and b, between which
+    the prompt has a private segment."""
+    segments = [
+        {"id": "a", "text": "Ann said fix the bridge.", "role": "shared"},
+        {"id": "x", "text": " Then", "role": "private"},
+        {"id": "b", "text": " Bob said fix the roof.", "role": "shared"},
+        {"id": "q", "text": " What now?", "role": "instruction"},
+    ]
+    recovery = {"policy": "full", "round": {"id": "r", "segments": names}}
+    return {"family": "f", "segments": segments, "recovery": recovery}
+
+
 BAD_COMPLETIONS = [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "must be a JSON object"),
@@ -258,6 +273,12 @@ BAD_COMPLETIONS = [
         "prompt and kmesh.segments disagree",
     ),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt: String should have at least 1 character"),
+    (
+        {"kmesh": {"segments": [{"text": "hi there"}], "recovery": {"check_layer": 999}}},
+        "kmesh.recovery.check_layer: check layer 999 is not below the model's 30 layers",
+    ),
+    ({"kmesh": round_of(["a", "a"])}, "round.segments names ['a'] more than once"),
+    ({"kmesh": round_of(["a", "b"])}, "the round's segments 'a' and 'b' are not side by side"),
     (b'{"prompt": "caf\xe9"}', "send a JSON object in UTF-8"),  # Latin-1 bytes
     ({"prompt": "word " * 9000}, "the engine's context is 8192 tokens"),
     ({"prompt": "word " * 9000, "stream": True}, "the engine's context is 8192 tokens"),

@@ -2,8 +2,9 @@
 
 `check_request` raises InvalidRequestError with what to change: stop strings need an engine that
 decodes, only a retained trunk may sample nothing, a prompt (other than a fork's) is not empty,
-recovery is declared on a prompt and not on a fork, the prompt fits the engine's context and the
-model's vocabulary, and max_tokens is not above the context (vLLM's server refuses that too;
+recovery is declared on a prompt and not on a fork, with spans, a check layer and a round the
+model and the prompt can take (RecoveryRequest.check), the prompt fits the engine's context and
+the model's vocabulary, and max_tokens is not above the context (vLLM's server refuses that too;
 below it, generation ends where the context does). The context is never more than the KV pool
 holds (kmesh/compute/context.py), so a request that passes fits the pool when it runs alone.
 What depends on the engine's state (ids in use, families, forks across tenants or adapters) is
@@ -40,7 +41,7 @@ def check_request(
             raise InvalidRequestError(
                 "a fork shares its parent's exact state: it takes no recovery"
             )
-        request.recovery.check(len(request.prompt_ids))
+        request.recovery.check(len(request.prompt_ids), config)
     n = len(request.prompt_ids)
     if n > max_model_len:
         raise InvalidRequestError(

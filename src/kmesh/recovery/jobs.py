@@ -7,14 +7,17 @@ job in its scheduler half and runs it in its worker half; the reference engine b
 in its runner. Each engine reads a job's exact prefix back from its own pages (a PrefixReader).
 """
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from kmesh.compute.config import ModelConfig
 from kmesh.errors import InvalidRequestError
 from kmesh.kv.master_mirror import Master, Mirror
+from kmesh.recovery.check_layer import check_layer_for
 from kmesh.state.recovery_meta import RecoverySpec
 from kmesh.state.segments import Span
 
@@ -124,9 +127,11 @@ class RecoveryRequest:
     spec: RecoverySpec
     family: str | None
 
-    def check(self, num_prompt: int) -> None:
-        """Refuse spans that are not in order within a prompt of `num_prompt` tokens, and a
-        round without a family or naming a segment no span has (InvalidRequestError)."""
+    def check(self, num_prompt: int, config: ModelConfig) -> None:
+        """Refuse (InvalidRequestError) spans that are not in order within a prompt of
+        `num_prompt` tokens, a check layer the model has not, and a round without a family,
+        naming a segment no span has, or whose segments do not lie side by side in
+        the prompt (a round's master is mirrored as one run of its segments)."""
         end = 0
         for span in self.spans:
             if not end <= span.start < span.end <= num_prompt:
@@ -135,12 +140,25 @@ class RecoveryRequest:
                     f"the prompt of {num_prompt} tokens"
                 )
             end = span.end
+        if self.spec.check_layer is not None:
+            try:
+                check_layer_for(self.spec.check_layer, config)
+            except ValueError as error:
+                raise InvalidRequestError(f"kmesh.recovery.check_layer: {error}") from None
         round_ = self.spec.round
         if round_ is None:
             return
         if self.family is None:
             raise InvalidRequestError("a recovery round needs a family (its rounds share state)")
-        named = {span.segment_id for span in self.spans}
+        named = {span.segment_id: span for span in self.spans}
         missing = [i for i in round_.segments if i not in named]
         if missing:
             raise InvalidRequestError(f"the round names segment ids no span has: {missing}")
+        placed = sorted((named[i] for i in round_.segments), key=lambda span: span.start)
+        for before, after in itertools.pairwise(placed):
+            if after.start != before.end:
+                raise InvalidRequestError(
+                    f"the round's segments {before.segment_id!r} and {after.segment_id!r} are "
+                    f"not side by side in the prompt (tokens [{before.end}, {after.start}) lie "
+                    "between them): put the round's segments next to each other"
+                )

@@ -33,7 +33,8 @@ class RoundSpec(BaseModel):
     segments: list[str] = Field(
         min_length=1,
         description="The ids of the round's output segments, in the same (canonical) order for "
-        "every sibling; each must be a segment (or message) id of this request.",
+        "every sibling; each must be a segment (or message) id of this request, named once, and "
+        "the round's segments lie side by side in the prompt (in any order).",
     )
     # kmesh/recovery/collective.py builds the master.
     master: Literal["sibling", "common"] = Field(
@@ -49,6 +50,15 @@ class RoundSpec(BaseModel):
         description="With master `common`: the share of the outputs recomputed (1.0: computed "
         "in full).",
     )
+
+    @model_validator(mode="after")
+    def _each_segment_once(self) -> "RoundSpec":
+        repeated = sorted({i for i in self.segments if self.segments.count(i) > 1})
+        if repeated:
+            raise ValueError(
+                f"recovery.round.segments names {repeated} more than once: name each output once"
+            )
+        return self
 
 
 class RecoverySpec(BaseModel):

@@ -4,7 +4,10 @@ Load it with `kv_transfer_config={"kv_connector": "KMeshConnector", "kv_connecto
 "kmesh.vllm.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
 "kv_connector_extra_config": {"store": "/path/to/store.sock"}}` (kmesh.vllm.config builds it),
 or by name alone once kmesh is installed (the `vllm.general_plugins` entry point registers it).
-Its construction refuses a vLLM release it was not tested with (kmesh/vllm/version.py).
+Its construction refuses a vLLM release it was not tested with (kmesh/vllm/version.py), and sets
+`kv_load_failure_policy` to "recompute" where it is "fail" (vLLM's default, which a connector
+configured by name gets), saying so once: every block KMesh cannot load (a gate's fallback, a
+checksum failure, an entry evicted meanwhile) is then computed by vLLM, never a failed request.
 vLLM makes one instance per role: the scheduler role (scheduler_side.py, with tracked.py: keys;
 store_side.py: store traffic and families; recovery_claims.py; stats) and the worker role
 (worker_side.py: block copies; recovered rows from recovery.py, on the model the worker extension
@@ -27,6 +30,7 @@ as `page_tail_tokens` when there are any. The same counts, summed, reach vLLM's 
 (metrics.py).
 """
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,6 +55,8 @@ from kmesh.vllm.shards import Shards
 from kmesh.vllm.version import check_vllm_version
 from kmesh.vllm.worker_side import WorkerSide
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -72,6 +78,7 @@ class KMeshConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            recompute_failed_loads(self._kv_transfer_config)
             unavailable = recovery_unavailable(vllm_config.parallel_config, layout)
             model = vllm_config.model_config.model
             # A finished request's page tail is read from its freed block in the next step, if
@@ -257,3 +264,17 @@ def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
         kv_layout,
         vllm_config.parallel_config.tensor_parallel_size,
     )
+
+
+def recompute_failed_loads(transfer: Any) -> None:
+    """Set vLLM's kv_load_failure_policy (`transfer`: its KVTransferConfig) to "recompute"; the
+    scheduler reads it after making its connector. With "fail", a block KMesh reports it could
+    not load ends its request with an error instead of being computed."""
+    if transfer.kv_load_failure_policy != "recompute":
+        log.warning(
+            "KMeshConnector: kv_load_failure_policy %r would fail a request whenever a block "
+            "KMesh offered cannot be loaded (a gate's fallback, a checksum failure, an evicted "
+            "entry); set to 'recompute': vLLM computes such blocks",
+            transfer.kv_load_failure_policy,
+        )
+        transfer.kv_load_failure_policy = "recompute"
