@@ -149,23 +149,41 @@ def _member(family: str, **kwargs) -> KMeshParams:
 
 def test_a_request_family_ends_when_its_declared_branches_have_finished():
     families = RequestFamilies(max_open=10)
-    families.pinned("f", "tenant-a")
-    families.pinned("f", None)
-    assert families.end_member(_member("f", branches=2)) == []
-    [ended] = families.end_member(_member("f", branches=2))
-    assert ended == EndedFamily("f", frozenset({"tenant-a", None}))
+    families.pinned("f", "kmesh-approx:x#tenant=a")
+    families.pinned("f", "#tenant=a")
+    assert families.end_member(_member("f", branches=2), "#tenant=a") == []
+    # A member under another salt of the same tenant counts toward the same family.
+    [ended] = families.end_member(_member("f", branches=2), "kmesh-approx:y#tenant=a")
+    assert ended == EndedFamily("f", frozenset({"kmesh-approx:x#tenant=a", "#tenant=a"}))
 
 
 def test_a_member_that_closes_its_request_family_ends_it_at_once():
     families = RequestFamilies(max_open=10)
-    assert families.end_member(_member("f", branches=4, close=True)) == [
+    assert families.end_member(_member("f", branches=4, close=True), None) == [
         EndedFamily("f", frozenset())
     ]
-    assert families.end_member(KMeshParams()) == []  # not a family member
+    assert families.end_member(KMeshParams(), None) == []  # not a family member
+
+
+def test_another_tenants_family_of_the_same_name_is_another_family():
+    families = RequestFamilies(max_open=2)
+    families.pinned("council", "#tenant=a")
+    assert families.end_member(_member("council", branches=3), "#tenant=a") == []
+    # B's members neither count toward A's family nor close it.
+    assert families.end_member(_member("council", branches=3), "#tenant=b") == []
+    assert families.end_member(_member("council", close=True), "#tenant=b") == [
+        EndedFamily("council", frozenset())
+    ]
+    # B's open families do not crowd A's out: each tenant has its own limit.
+    for family in ("f0", "f1", "f2"):
+        families.end_member(_member(family, branches=4), "#tenant=b")
+    assert families.end_member(_member("council", branches=3), "#tenant=a") == []
+    [ended] = families.end_member(_member("council", branches=3), "#tenant=a")
+    assert ended == EndedFamily("council", frozenset({"#tenant=a"}))
 
 
 def test_past_the_open_limit_the_oldest_request_family_ends():
     families = RequestFamilies(max_open=2)
     for family in ("f0", "f1"):
-        assert families.end_member(_member(family, branches=4)) == []
-    assert families.end_member(_member("f2", branches=4)) == [EndedFamily("f0", frozenset())]
+        assert families.end_member(_member(family, branches=4), None) == []
+    assert families.end_member(_member("f2", branches=4), None) == [EndedFamily("f0", frozenset())]

@@ -280,6 +280,29 @@ def test_a_dropped_master_is_built_again_by_the_rounds_next_sibling(model):
     assert sibling("r1", "s3").master_bytes > 0  # built again
 
 
+def test_a_round_id_reused_over_other_outputs_builds_its_own_master(model):
+    """The kept master is keyed by the round's tokens too: a sibling that names a round id
+    another round used, over other outputs, gets no KV of those outputs."""
+    executor, fingerprint = model
+    recovery = RequestRecovery(executor, fingerprint)
+    spec = RecoverySpec(policy="none", gate=None, round=RoundSpec(id="r1", segments=["a"]))
+
+    def sibling(ids, spans, request_id):
+        work = job(ids, spans, spec, request_id=request_id, family="f")
+        return work, recovered(recovery, [work], ExactPages(executor, ids))[request_id]
+
+    ids, spans = prompt("ab")
+    assert sibling(ids, spans, "s1")[1].report.master_bytes > 0
+    a = span(spans, "a")
+    other = ids[: a.start] + [t + 100 for t in ids[a.start : a.end]] + ids[a.end :]
+    work, outcome = sibling(other, spans, "s2")
+    assert outcome.report.master_bytes > 0 and outcome.report.reused_tokens == 0
+    exact = ExactPages(executor, other)
+    torch.testing.assert_close(outcome.k, exact.k[:, work.start : work.end], atol=1e-5, rtol=1e-4)
+    # The same outputs again: the round's master is reused.
+    assert sibling(other, spans, "s3")[1].report.reused_tokens == len(A)
+
+
 def test_a_siblings_claim_starts_after_the_kept_trunk_tail_whose_rows_it_takes_as_they_are(model):
     executor, fingerprint = model
     recovery = RequestRecovery(executor, fingerprint, page_size=BLOCK)

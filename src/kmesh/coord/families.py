@@ -7,9 +7,9 @@ Closed states are remembered (a fork of one is refused as closed) up to `max_clo
 forgotten first, a trunk with its family: a forgotten id is unknown (a fork of it is refused as
 unknown) and may be used again.
 
-`RequestFamilies` (vLLM's connector): families declared by requests' kmesh params, with no state
-ids: the family ends when a member closes it or its declared branches have finished, and is told
-which tenants' store pins to close."""
+`RequestFamilies` (both engines' store pins): families declared by requests' kmesh params, with
+no state ids, each its tenant's: the family ends when a member closes it or its declared branches
+have finished, and says whose store pins to close."""
 
 import enum
 from dataclasses import dataclass, field
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kmesh.coord.retention import Retention
 from kmesh.errors import ContractError
 from kmesh.state.request_meta import KMeshParams
+from kmesh.state.tenants import tenant_of_salt
 
 # Closed states remembered at most (a few hundred bytes each).
 MAX_CLOSED_STATES = 10_000
@@ -184,45 +185,57 @@ class FamilyRegistry:
 
 @dataclass(frozen=True, slots=True)
 class EndedFamily:
-    """A request-declared family that ended: the tenants whose store pins it holds."""
+    """A request-declared family that ended: its name and the salts under which its members
+    pinned store state (to close)."""
 
     family_id: str
-    tenants: frozenset[str | None]
+    salts: frozenset[str | None]
 
 
 class RequestFamilies:
     """Families declared by the requests themselves (kmesh params `family`, `branches`,
-    `close`), as a serving engine sees them: no states, only members that finish.
+    `close`), as a serving engine sees them: no states, only members that finish, each under
+    its cache salt. A family is its tenant's (state/tenants.py::tenant_of_salt: what follows the
+    salt's `#tenant=`, None without): the same name under two tenants is two families, neither of
+    which the other's members count toward, close or crowd out; within a tenant, members under
+    different salts (an exact and an approximate one) are one family.
 
     A family is open from its first pin or member until it is closed (a member with `close`),
     its declared `branches` members have all finished, or it is the oldest of more than
-    `max_open` families with a finished member (abandoned families are let go oldest first).
+    `max_open` families of its tenant with a finished member (abandoned families are let go
+    oldest first).
     Invariant: every family counted is open; an ended family is forgotten (a later member opens
     it again).
     """
 
     def __init__(self, max_open: int) -> None:
-        self._finished: dict[str, int] = {}  # finished members per open family
-        self._open: Retention[str] = Retention(max_open)
-        self._tenants: dict[str, set[str | None]] = {}
+        self.max_open = max_open
+        self._finished: dict[tuple[str | None, str], int] = {}  # finished members per family
+        self._open: dict[str | None, Retention[str]] = {}  # per tenant
+        self._salts: dict[tuple[str | None, str], set[str | None]] = {}
 
-    def pinned(self, family_id: str, tenant: str | None) -> None:
-        """A member pinned state for the family under `tenant` (its trunk, its transcript)."""
-        self._tenants.setdefault(family_id, set()).add(tenant)
+    def pinned(self, family_id: str, salt: str | None) -> None:
+        """A member pinned state for the family under `salt` (its trunk, its transcript)."""
+        self._salts.setdefault((tenant_of_salt(salt), family_id), set()).add(salt)
 
-    def end_member(self, params: KMeshParams) -> list[EndedFamily]:
-        """A request finished; returns the families that ended with it."""
+    def end_member(self, params: KMeshParams, salt: str | None) -> list[EndedFamily]:
+        """A request under `salt` finished; returns the families that ended with it."""
         family = params.family
         if family is None:
             return []
-        self._finished[family] = self._finished.get(family, 0) + 1
-        if params.close or (
-            params.branches is not None and self._finished[family] >= params.branches
-        ):
+        tenant = tenant_of_salt(salt)
+        key = (tenant, family)
+        self._finished[key] = self._finished.get(key, 0) + 1
+        open_ = self._open.setdefault(tenant, Retention(self.max_open))
+        if params.close or (params.branches is not None and self._finished[key] >= params.branches):
             ended = [family]
         else:
-            ended = self._open.add(family)  # the oldest open ones, past the limit
+            ended = open_.add(family)  # the tenant's oldest open ones, past the limit
+        result = []
         for done in ended:
-            del self._finished[done]
-            self._open.discard(done)
-        return [EndedFamily(done, frozenset(self._tenants.pop(done, set()))) for done in ended]
+            del self._finished[(tenant, done)]
+            open_.discard(done)
+            result.append(EndedFamily(done, frozenset(self._salts.pop((tenant, done), set()))))
+        if not len(open_):
+            del self._open[tenant]
+        return result

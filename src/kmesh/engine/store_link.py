@@ -51,7 +51,7 @@ class StoreLink:
         if request.kmesh is None:
             return
         try:
-            self.pins.end_member(request.kmesh)
+            self.pins.end_member(request.kmesh, request.tenant_salt)
         except StoreError as error:
             log.info("kmesh store: a family's pins not closed: %s", error)
 

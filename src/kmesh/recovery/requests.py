@@ -94,7 +94,8 @@ class RequestRecovery:
         self.continuations = Continuations(self.ledger, self._hold, tails)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons = CommonMasters(executor, self.segments, self.ledger, self._hold)
-        self._masters: dict[RoundKey, Master] = {}
+        # A round's kept master and the tokens of its segments (a hit compares them).
+        self._masters: dict[RoundKey, tuple[tuple[int, ...], Master]] = {}
         self.shared_masters: SharedMasters | None = None
         if shared is not None:
             self.share(shared)
@@ -184,25 +185,27 @@ class RequestRecovery:
         the family's common context first ("common")."""
         round_ = jobs[0].spec.round
         assert round_ is not None
-        master = self._masters.get(key)
         shared_cost = 0.0
         tokens = tuple(t for s in jobs[0].round_spans() for t in jobs[0].token_ids[s.start : s.end])
+        kept = self._masters.get(key)
+        # A master of other outputs under the same round id is not this round's: built anew.
+        master = kept[1] if kept is not None and kept[0] == tokens else None
         if master is not None:
             self.ledger.touch(HeldMaster(key))
         elif self.shared_masters is not None:
             master = self.shared_masters.get(key, round_.master, tokens)
             if master is not None:
-                self._keep_master(key, master)
+                self._keep_master(key, tokens, master)
         if master is None and round_.master == "common":
             master, shared_cost = self._commons.master(key.tenant, key.family, jobs[0])
-            self._keep_master(key, master)
+            self._keep_master(key, tokens, master)
             self._share(key, round_.master, tokens, master)
         siblings = [
             self._sibling(job, pages, master is None and i == 0) for i, job in enumerate(jobs)
         ]
         result = recover_round(self.executor, siblings, self._config(jobs[0]), MASTER_BLOCK, master)
         if result.built:
-            self._keep_master(key, result.master)
+            self._keep_master(key, tokens, result.master)
             self._share(key, round_.master, tokens, result.master)
         built = result.built or shared_cost > 0
         outcomes = {}
@@ -240,8 +243,8 @@ class RequestRecovery:
             spans,
         )
 
-    def _keep_master(self, key: RoundKey, master: Master) -> None:
-        self._masters[key] = master
+    def _keep_master(self, key: RoundKey, tokens: tuple[int, ...], master: Master) -> None:
+        self._masters[key] = (tokens, master)
         self._hold(HeldMaster(key), master.nbytes)
 
     def _share(self, key: RoundKey, choice: str, tokens: Sequence[int], master: Master) -> None:

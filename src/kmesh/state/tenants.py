@@ -61,6 +61,14 @@ def tenant_salt(tenant: str, cache_salt: str | None) -> str:
     return f"{cache_salt or ''}{SEPARATOR}{tenant}"
 
 
+def tenant_of_salt(salt: str | None) -> str | None:
+    """The tenant a salt belongs to: what follows its last SEPARATOR (tenant_salt's), None for
+    a salt without one (the shared namespace, or a server without keys)."""
+    if salt is None or SEPARATOR not in salt:
+        return None
+    return salt.rpartition(SEPARATOR)[2]
+
+
 def load_api_keys(path: str | Path) -> ApiKeys:
     """The keys of an --api-keys file; raises InvalidRequestError saying what to fix."""
     try:

@@ -1,8 +1,9 @@
 """What an engine pins in the store for the families its requests declare (the `kmesh` object's
 `family`, `branches`, `close`), for both engines: a member's pins (vLLM: its family trunk's
 blocks; either engine: its transcript at its declared `next_use`) stay while the family is open
-on this engine (coord/families.py::RequestFamilies), then each tenant's pins are closed. The pins
-are this engine's store connections': if the engine dies, the store lets them go with them.
+on this engine (coord/families.py::RequestFamilies: a family is its tenant's), then its pins are
+closed. The pins are this engine's store connections': if the engine dies, the store lets them
+go with them.
 Store errors propagate (StoreError): the caller computes without the store.
 """
 
@@ -18,7 +19,7 @@ MAX_OPEN_FAMILIES = 10_000
 
 
 class FamilyPins:
-    """Pins by declared family over `client(tenant)` (see the module docstring)."""
+    """Pins by declared family over `client(salt)` (see the module docstring)."""
 
     def __init__(
         self, client: Callable[[str | None], StoreClient], max_open: int = MAX_OPEN_FAMILIES
@@ -29,18 +30,18 @@ class FamilyPins:
     def pin(
         self,
         family: str,
-        tenant: str | None,
+        salt: str | None,
         keys: Sequence[bytes],
         next_use: float | None = None,
     ) -> None:
-        """Pin the published entries of `keys` for `family` under `tenant` until it ends."""
-        self.families.pinned(family, tenant)
-        client = self.client(tenant)
+        """Pin the published entries of `keys` for `family` under `salt` until it ends."""
+        self.families.pinned(family, salt)
+        client = self.client(salt)
         for lo in range(0, len(keys), MAX_KEYS):
             client.pin(family, keys[lo : lo + MAX_KEYS], next_use)
 
-    def end_member(self, params: KMeshParams) -> None:
-        """A request finished: close the pins of the families that ended with it."""
-        for ended in self.families.end_member(params):
-            for tenant in ended.tenants:
-                self.client(tenant).close_family(ended.family_id)
+    def end_member(self, params: KMeshParams, salt: str | None) -> None:
+        """A request under `salt` finished: close the pins of the families that ended with it."""
+        for ended in self.families.end_member(params, salt):
+            for pinned in ended.salts:
+                self.client(pinned).close_family(ended.family_id)

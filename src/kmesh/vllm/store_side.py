@@ -147,10 +147,10 @@ class StoreSide:
         if tracked.params is None:
             return
         if not self.available:  # the store is gone, and its pins with it
-            self.pins.families.end_member(tracked.params)
+            self.pins.families.end_member(tracked.params, tracked.tenant)
             return
         try:
-            self.pins.end_member(tracked.params)
+            self.pins.end_member(tracked.params, tracked.tenant)
         except StoreError as error:
             self.policy.failed(None, error)
 

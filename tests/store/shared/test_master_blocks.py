@@ -97,3 +97,17 @@ def test_members_read_the_master_blocks_their_diffs_do_not_replace_each_once(sto
         assert torch.equal(restore_piece(second, got, CONFIG)[0], k)
         # Both again: nothing is read.
         assert read.for_piece(client, first)[1] == read.for_piece(client, second)[1] == 0
+
+
+def test_a_masters_key_tells_every_field_apart():
+    """Family "a/b", round "c" and family "a", round "b/c" (and every other field) key apart."""
+    masters = StoreMasters(TenantClients("unused.sock"), "f" * 64, CONFIG)
+    tokens = tuple(range(8))
+    keys = {
+        masters.key(RoundKey(SALT, "a/b", "c"), "sibling", tokens),
+        masters.key(RoundKey(SALT, "a", "b/c"), "sibling", tokens),
+        masters.key(RoundKey(SALT, "a", "b/c"), "common", tokens),
+        masters.key(RoundKey("other-tenant", "a", "b/c"), "sibling", tokens),
+        masters.key(RoundKey(SALT, "a", "b/c"), "sibling", tokens[:-1]),
+    }
+    assert len(keys) == 5

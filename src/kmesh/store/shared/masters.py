@@ -6,6 +6,7 @@ them built. Members' mirrored transcript pieces (transcripts.py) name a master's
 Every store failure is a miss: the engine builds its own.
 """
 
+import json
 import logging
 from collections.abc import Sequence
 
@@ -50,5 +51,6 @@ class StoreMasters:
         """The store key of a round's master: its tenant, family, round, how it was built and
         its segments' tokens (canonical order)."""
         namespace = KeyNamespace(self.fingerprint, tenant_salt=key.tenant)
-        context = f"round-master/{master_choice}/{key.family}/{key.round_id}"
+        # JSON, not a joined string: family "a/b", round "c" is not family "a", round "b/c".
+        context = json.dumps(["round-master", master_choice, key.family, key.round_id])
         return segment_key(namespace, tokens, context)
