@@ -2,6 +2,7 @@
 
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,37 @@ def disconnect_mid_stream(url: str, headers: dict[str, str] | None = None) -> di
     return {"during": during, "after": after, "later": engine_gauges(url)}
 
 
+def disconnect_before_the_answer(url: str, headers: dict[str, str] | None = None) -> dict:
+    """Ask for 2000 tokens without streaming and give up after 3 s (the client closes the
+    connection); the engine's gauges read at 1.5 s, after a 1-token probe sent a second after
+    giving up, and 2 s after that (as disconnect_mid_stream's)."""
+    body = {
+        "prompt": "Write a long story about a lighthouse keeper.",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    seen: dict[str, Any] = {}
+    reader = threading.Timer(1.5, lambda: seen.update(during=engine_gauges(url)))
+    reader.start()
+    try:
+        httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=3)
+        raise AssertionError("2000 tokens came back within 3 s: the test saw no disconnect")
+    except httpx.ReadTimeout:
+        pass
+    reader.join()
+    time.sleep(1)
+    probe = {"prompt": "Hello", "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=probe, headers=headers, timeout=60).is_success
+    seen["after"] = engine_gauges(url)
+    time.sleep(2)
+    seen["later"] = engine_gauges(url)
+    return seen
+
+
 def check_disconnect_freed(seen: dict[str, Any]) -> None:
-    """What disconnect_mid_stream saw: the request held blocks, then nothing ran or was held
-    once the probe was served."""
+    """What disconnect_mid_stream or disconnect_before_the_answer saw: the request held blocks,
+    then nothing ran or was held once the probe was served."""
     during, after, later = seen["during"], seen["after"], seen["later"]
     assert during["kmesh_engine_running_requests"] == 1 and during["kmesh_engine_kv_usage"] > 0
     assert after["kmesh_engine_running_requests"] == 0, seen

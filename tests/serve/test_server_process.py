@@ -7,7 +7,12 @@ import openai
 import pytest
 
 from tests.conftest import run_kmesh
-from tests.serve.conftest import check_disconnect_freed, disconnect_mid_stream, openai_client
+from tests.serve.conftest import (
+    check_disconnect_freed,
+    disconnect_before_the_answer,
+    disconnect_mid_stream,
+    openai_client,
+)
 
 pytestmark = pytest.mark.model
 
@@ -102,6 +107,10 @@ def test_a_taken_port_is_one_clear_line():
 
 def test_a_client_that_closes_its_stream_frees_the_request(server):
     check_disconnect_freed(disconnect_mid_stream(server.url))
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_the_request(server):
+    check_disconnect_freed(disconnect_before_the_answer(server.url))
 
 
 def test_health_says_ready(server):

@@ -9,7 +9,9 @@ Every response carries a top-level `kmesh` object (a stream: on its last content
 n > 1, counts summed over the choices):
 prompt_tokens, computed_tokens, reused_tokens (local prefix cache), restored_tokens (external
 store), family and engine. A stream carries usage only when `stream_options.include_usage` asks,
-in OpenAI's shape: a last chunk with no choices, before `data: [DONE]`.
+in OpenAI's shape: a last chunk with no choices, before `data: [DONE]`. A request whose client
+disconnects is aborted in the engine, streamed or not (a non-streamed one within
+DISCONNECT_POLL_S; logged and counted with status 499).
 
 Errors are answered in OpenAI's shape (kmesh/serve/errors.py): 400 for a caller's mistake, with a
 message that says what to change; 500 for anything unexpected, its traceback in the server's log
@@ -19,6 +21,8 @@ gets one line in the `kmesh.serve.access` log: status, then tokens and reuse, or
 is counted in /metrics.
 """
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -58,6 +62,8 @@ from kmesh.state.tenants import ApiKeys, tenant_salt
 
 logger = logging.getLogger(__name__)
 access = logging.getLogger("kmesh.serve.access")
+# How often a non-streamed request checks that its client is still connected (seconds).
+DISCONNECT_POLL_S = 0.5
 
 # Stats summed over a request's choices (n > 1).
 _SUMMED = (
@@ -222,11 +228,30 @@ async def _respond(
             lambda totals: _done(metrics, route, totals, started),
         )
         return StreamingResponse(events, media_type="text/event-stream")
-    choices = await run_choices(backend, job, body.n, shape.is_chat)
+    choices = await _while_connected(request, run_choices(backend, job, body.n, shape.is_chat))
+    if choices is None:
+        access.info("%s 499 client disconnected: the request was aborted", route)
+        metrics.refused(route, 499)
+        return Response(status_code=499)  # nobody reads it
     totals = _totals(backend, job, choices)
     _done(metrics, route, totals, started)
     whole = [(c.text, c.finish_reason, c.whole_logprobs()) for c in choices]
     return JSONResponse(builder.response(whole, **totals))
+
+
+async def _while_connected(request: Request, work: Any) -> Any:
+    """`work`'s result, or None once the client has gone: then `work` is cancelled, which
+    closes the engine's generator and so aborts the request (as a closed stream does)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
 
 
 def _done(metrics: ServeMetrics, route: str, totals: dict[str, Any], started: float) -> None:
