@@ -18,6 +18,8 @@ def _serve(args: argparse.Namespace) -> None:
 
     from kmesh.serve.app import create_app
     from kmesh.serve.backend import Backend
+    from kmesh.serve.body_limit import BodyLimit
+    from kmesh.store.server import parse_size
 
     check_store(args.store)
     reuse_messages = None
@@ -47,13 +49,10 @@ def _serve(args: argparse.Namespace) -> None:
         api_keys = load_api_keys(args.api_keys)
     recovery_bytes = None
     if args.recovery_bytes is not None:
-        from kmesh.store.server import parse_size
-
         recovery_bytes = parse_size(args.recovery_bytes, "--recovery-bytes")
+    max_body = parse_size(args.max_body, "--max-body")
     kv_cache_bytes = None
     if args.kv_cache is not None:
-        from kmesh.store.server import parse_size
-
         kv_cache_bytes = parse_size(args.kv_cache, "--kv-cache")
     heap_reserve_bytes = _vllm_size(
         args, args.heap_reserve, "--heap-reserve", "vLLM's worker's heap reserve", least=0
@@ -121,7 +120,7 @@ def _serve(args: argparse.Namespace) -> None:
         reuse_messages=reuse_messages,
         api_keys=api_keys,
     )
-    config = uvicorn.Config(app, log_level="warning")
+    config = uvicorn.Config(BodyLimit(app, max_body), log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])
 
 
@@ -193,6 +192,13 @@ def register(commands: Commands) -> None:
         metavar="FILE",
         help='JSON {"API key": "tenant", ...}: requests need `Authorization: Bearer KEY`, and '
         "state never crosses tenants (default: no keys, one namespace)",
+    )
+    access.add_argument(
+        "--max-body",
+        default="16M",
+        metavar="SIZE",
+        help="the largest request body taken, like 512K or 16M; a larger one is a 413 before it "
+        "is read (default: 16M)",
     )
     access.add_argument(
         "--strict-fields",
