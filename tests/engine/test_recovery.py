@@ -139,6 +139,36 @@ def test_a_round_without_a_family_or_with_unknown_segments_is_refused(make_tiny_
         engine.add_request(stray)
 
 
+def test_a_recovery_that_raises_leaves_its_rows_to_the_step_and_the_engine_serving(
+    make_tiny_engine, monkeypatch, caplog
+):
+    """As vLLM's worker does (kmesh/vllm/worker_side.py): a failed recovery is logged and its
+    requests are computed in full, the engine's own greedy tokens; later requests are served."""
+    from kmesh.recovery.requests import RequestRecovery
+
+    spec = RecoverySpec(policy="full")
+    requests = [sibling(0, "ab", spec, salt=None), sibling(1, "ba", spec, salt=None)]
+    engine = make_tiny_engine()
+    run = RequestRecovery.run
+
+    def write_one_then_raise(self, jobs, pages, write):
+        run(self, jobs[:1], pages, write)  # the first job's rows are written, then it fails
+        raise ValueError("a recovery bug")
+
+    monkeypatch.setattr(RequestRecovery, "run", write_one_then_raise)
+    with caplog.at_level("WARNING", logger="kmesh.engine.runner"):
+        failed = engine.generate(requests)
+    assert "recovery failed, the step computes the claimed tokens: a recovery bug" in caplog.text
+    exact = make_tiny_engine().generate([plain(r) for r in requests])
+    for got, want in zip(failed, exact, strict=True):
+        assert got.output_ids == want.output_ids
+        assert got.stats.recovery is None and got.stats.recovered_tokens == 0
+        assert got.stats.computed_tokens == len(got.prompt_ids)
+    monkeypatch.setattr(RequestRecovery, "run", run)
+    [again] = engine.generate([replace(requests[0], request_id="again")])
+    assert again.output_ids == exact[0].output_ids and again.stats.recovery is not None
+
+
 def test_a_kept_output_is_reused_by_a_later_readers_recovery(make_tiny_engine):
     engine = make_tiny_engine()
     author = Request("author", tuple(SYSTEM), GREEDY, SALT, keep_output=True)

@@ -1,5 +1,6 @@
 """Run one scheduled batch through the executor over the paged KV cache."""
 
+import logging
 from collections.abc import Sequence as Sequence_
 from dataclasses import asdict
 
@@ -13,6 +14,8 @@ from kmesh.kv.kv_cache import PagedContext, PagedKVCache
 from kmesh.recovery.jobs import RecoveredRows, RecoveryJob
 from kmesh.recovery.requests import DEFAULT_RECOVERY_BYTES, RequestRecovery
 from kmesh.recovery.shared import SharedState
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -77,8 +80,8 @@ class ModelRunner:
 
     def _recover(self, seqs: list[Sequence]) -> None:
         """Recovery claims every prompt row after the prefix hit but the last (which the step
-        then computes, giving the logits, as vLLM does); rows the gate left
-        alone are computed by the step."""
+        then computes, giving the logits, as vLLM does); rows the gate left alone, and every
+        claimed row when recovery raises (logged), are computed by the step."""
         claims = []
         for seq in seqs:
             wanted, seq.recovery = seq.recovery, None
@@ -117,7 +120,21 @@ class ModelRunner:
             seq.stats.computed_tokens -= job.end - job.start
             seq.stats.recovered_tokens = job.end - job.start
 
-        outcomes = self.recovery.run([job for _, job in claims], _CacheRows(self.cache), write)
+        try:
+            outcomes = self.recovery.run([job for _, job in claims], _CacheRows(self.cache), write)
+        except Exception as error:  # recovery must never take the engine down: the step computes
+            log.warning(
+                "kmesh: recovery failed, the step computes the claimed tokens: %s",
+                error,
+                exc_info=True,
+            )
+            for seq, job in claims:  # as vLLM's worker does: every claimed row computed anew
+                if seq.num_computed == job.end:  # written before the failure
+                    seq.stats.computed_tokens += job.end - job.start
+                seq.num_computed = job.start
+                seq.stats.recovered_tokens = 0
+                seq.stats.recovery = None
+            return
         for request_id, outcome in outcomes.items():
             by_id[request_id].transcript = outcome.transcript
 
