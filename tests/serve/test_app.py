@@ -277,6 +277,11 @@ BAD_COMPLETIONS = [
         {"kmesh": {"segments": [{"text": "hi there"}], "recovery": {"check_layer": 999}}},
         "kmesh.recovery.check_layer: check layer 999 is not below the model's 30 layers",
     ),
+    (
+        {"kmesh": {"segments": [{"token_ids": [1, 49152]}]}},
+        "token id 49152 is outside the model's vocabulary [0, 49152)",
+    ),
+    ({"kmesh": {"segments": [{"token_ids": [-1]}]}}, "token id -1 is outside the model's"),
     ({"kmesh": round_of(["a", "a"])}, "round.segments names ['a'] more than once"),
     ({"kmesh": round_of(["a", "b"])}, "the round's segments 'a' and 'b' are not side by side"),
     (b'{"prompt": "caf\xe9"}', "send a JSON object in UTF-8"),  # Latin-1 bytes
@@ -657,6 +662,7 @@ class FailingBackend:
     engine = "failing"
     model_id = "m"
     max_model_len = 100
+    vocab_size = 49152
 
     def __init__(self, tokenizer, tokens_first=False):
         self.tokenizer = tokenizer

@@ -15,7 +15,11 @@ pytestmark = pytest.mark.model
 def small_context(real_model):
     """A backend stand-in whose model has a 20-token context."""
     return SimpleNamespace(
-        engine="reference", model_id="m", tokenizer=real_model.tokenizer, max_model_len=20
+        engine="reference",
+        model_id="m",
+        tokenizer=real_model.tokenizer,
+        max_model_len=20,
+        vocab_size=real_model.config.vocab_size,
     )
 
 

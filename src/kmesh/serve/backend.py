@@ -92,6 +92,8 @@ class Backend(Protocol):
     tokenizer: Any
     # Prompt plus generated tokens at most.
     max_model_len: int
+    # Token ids the model takes: [0, vocab_size) (its embedding's rows).
+    vocab_size: int
 
     async def start(self) -> None:
         """Start the engine (called once, inside the server's event loop)."""

@@ -205,6 +205,13 @@ def _job(
     kmesh: KMeshParams | None,
     prompt_field: str,
 ) -> GenerationJob:
+    outside = next((t for t in prompt_ids if not 0 <= t < backend.vocab_size), None)
+    if outside is not None:  # only kmesh.segments' token_ids can hold one
+        raise RequestFieldError(
+            f"token id {outside} is outside the model's vocabulary [0, {backend.vocab_size}): "
+            "send token ids of this model's tokenizer",
+            "kmesh.segments",
+        )
     room = backend.max_model_len - len(prompt_ids)
     if room < 1:
         raise RequestFieldError(

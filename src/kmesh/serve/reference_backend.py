@@ -132,6 +132,7 @@ class ReferenceBackend:
         )
         self.context = self._engine.context
         self.max_model_len = self.context.tokens
+        self.vocab_size = loaded.config.vocab_size
         # Requests to add or abort, or None to stop the thread.
         self._inbox: queue.SimpleQueue[_Submission | _Abort | None] = queue.SimpleQueue()
         self._request_ids = itertools.count()

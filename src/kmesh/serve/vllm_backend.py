@@ -72,8 +72,10 @@ class VLLMBackend:
             tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,
         )
+        config = ModelConfig.from_folder(Path(self._engine_kwargs["model"]))
+        self.vocab_size = config.vocab_size
         self.context = vllm_context(
-            ModelConfig.from_folder(Path(self._engine_kwargs["model"])),
+            config,
             max_model_len=max_model_len,
             kv_cache_bytes=self._engine_kwargs["kv_cache_memory_bytes"],
             dtype=dtype,
