@@ -94,8 +94,7 @@ class RequestRecovery:
         self.continuations = Continuations(self.ledger, self._hold, tails)
         self.segments = SegmentStore(fingerprint, executor.config, self.ledger, self._hold)
         self._commons = CommonMasters(executor, self.segments, self.ledger, self._hold)
-        # A round's kept master and the tokens of its segments (a hit compares them).
-        self._masters: dict[RoundKey, tuple[tuple[int, ...], Master]] = {}
+        self._masters: dict[RoundKey, tuple[tuple[int, ...], Master]] = {}  # (tokens, master)
         self.shared_masters: SharedMasters | None = None
         if shared is not None:
             self.share(shared)
@@ -187,8 +186,7 @@ class RequestRecovery:
         assert round_ is not None
         shared_cost = 0.0
         tokens = tuple(t for s in jobs[0].round_spans() for t in jobs[0].token_ids[s.start : s.end])
-        kept = self._masters.get(key)
-        # A master of other outputs under the same round id is not this round's: built anew.
+        kept = self._masters.get(key)  # a master of other outputs under this round id: a miss
         master = kept[1] if kept is not None and kept[0] == tokens else None
         if master is not None:
             self.ledger.touch(HeldMaster(key))
