@@ -99,3 +99,23 @@ def test_segments_of_the_real_template_concatenate_to_its_prompt(real_model):
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     assert list(prompt.token_ids) == list(expected)
     assert len(prompt.segments) == 5
+
+
+def named_chatml(messages, add_generation_prompt):
+    """ChatML with OpenAI's speaker names, as templates that render `name` do."""
+    text = "".join(
+        f"<|im_start|>{m['role']}{' ' + m['name'] if 'name' in m else ''}\n{m['content']}"
+        "<|im_end|>\n"
+        for m in messages
+    )
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def test_a_speakers_name_is_rendered_as_the_template_renders_it():
+    messages = [
+        {"role": "system", "content": "A council."},
+        {"role": "user", "content": "Fix the bridge.", "name": "alice"},
+        {"role": "user", "content": "Fix the roof.", "name": "bob"},
+    ]
+    prompt = codec.decode(messages, named_chatml, byte_tokens)
+    assert list(prompt.token_ids) == byte_tokens(named_chatml(messages, True))

@@ -4,7 +4,9 @@ Each message's segment is the text its chat template adds for it (the template's
 content, plus a default system prompt where the template inserts one), tokenized on its own; the
 generation prompt, when asked for, is a final instruction segment. A message may carry "id" (the
 segment id) and "kmesh_role" (shared / private / instruction); by default system messages are
-shared and the others private.
+shared and the others private. Its "name" (OpenAI's speaker name) is rendered as the template
+renders it, so the segments spell the prompt the same chat has without them; `encode` does not
+give it back.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -47,7 +49,11 @@ def decode(
     for index, message in enumerate(messages):
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise ContractError(f"message {index} needs a string 'role' and a string 'content'")
-        plain.append({"role": message["role"], "content": message["content"]})
+        name = message.get("name")  # a speaker's name, where the template renders one
+        plain.append(
+            {"role": message["role"], "content": message["content"]}
+            | ({} if name is None else {"name": name})
+        )
         longer = render(plain, False)
         if not longer.startswith(rendered):
             raise ContractError(
